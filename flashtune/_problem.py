@@ -1,0 +1,158 @@
+"""The attention problem and its bucketed key.
+
+:class:`Problem` is one concrete call: every shape and flag. :class:`ProblemKey`
+is what the tuner stores and the dispatcher looks up: the fields that change
+which config is fastest, with sizes rounded into buckets so that nearby shapes
+share a tuned entry. The tuner, the dispatcher and the database all build keys
+through :meth:`Problem.key`, so the two sides can never disagree.
+
+Buckets: ``batch * heads_q`` and each sequence length round *up* to the next
+power of two (``bucket(1000) == 1024``, ``bucket(1024) == 1024``,
+``bucket(1025) == 2048``), clamped below at 1 and above at ``MAX_BUCKET``. Head
+dim, dtype, mask kind and GQA ratio are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Direction = Literal["fwd", "bwd"]
+DTYPES = ("fp16", "bf16")
+DIRECTIONS = ("fwd", "bwd")
+MAX_BUCKET = 1 << 20
+
+
+def bucket(n: int) -> int:
+    """Round ``n`` up to the next power of two (1 for n <= 1), capped at MAX_BUCKET."""
+    if n <= 1:
+        return 1
+    return min(1 << (int(n) - 1).bit_length(), MAX_BUCKET)
+
+
+@dataclass(frozen=True, order=True)
+class ProblemKey:
+    """The database / dispatch key. Field names mirror the ``problems`` table's columns."""
+
+    direction: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    window: bool
+    softcap: bool
+    gqa_ratio: int
+    bh_bucket: int
+    sq_bucket: int
+    sk_bucket: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProblemKey:
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+
+    def family(self) -> tuple[str, str, int, bool, bool, bool]:
+        """Fields that must match for a *nearest* bucket to be served."""
+        return (self.direction, self.dtype, self.head_dim, self.causal, self.window, self.softcap)
+
+    def distance(self, other: ProblemKey) -> float:
+        """Log2 distance between buckets (inf if the family or GQA ratio differs)."""
+        if self.family() != other.family():
+            return math.inf
+        d = 0.0
+        for a, b in ((self.bh_bucket, other.bh_bucket), (self.sq_bucket, other.sq_bucket),
+                     (self.sk_bucket, other.sk_bucket)):
+            d += abs(math.log2(a) - math.log2(b))
+        if self.gqa_ratio != other.gqa_ratio:
+            d += 0.5 * abs(math.log2(self.gqa_ratio) - math.log2(other.gqa_ratio)) + 0.25
+        return d
+
+    def short(self) -> str:
+        mask = "causal" if self.causal else "full"
+        extra = ("+win" if self.window else "") + ("+cap" if self.softcap else "")
+        return (f"{self.direction} {self.dtype} d{self.head_dim} {mask}{extra} g{self.gqa_ratio} "
+                f"bh{self.bh_bucket} sq{self.sq_bucket} sk{self.sk_bucket}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One concrete attention problem: q is (batch, heads_q, seqlen_q, head_dim)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    window: tuple[int, int] = field(default=(-1, -1))
+    softcap: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_q={self.heads_q} must be a multiple of heads_kv={self.heads_kv}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.head_dim % 8 or not 16 <= self.head_dim <= 256:
+            raise ValueError(
+                f"head_dim must be a multiple of 8 in [16, 256], got {self.head_dim}")
+        w = tuple(int(x) for x in self.window)
+        if len(w) != 2 or any(x < -1 for x in w):
+            raise ValueError(f"window must be (left, right) with each >= -1, got {self.window!r}")
+        object.__setattr__(self, "window", w)
+        if not self.softcap >= 0.0 or math.isinf(self.softcap):
+            raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != (-1, -1)
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def key(self, direction: str) -> ProblemKey:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        return ProblemKey(
+            direction=direction, dtype=self.dtype, head_dim=self.head_dim,
+            causal=bool(self.causal), window=self.has_window, softcap=self.softcap > 0,
+            gqa_ratio=self.gqa_ratio, bh_bucket=bucket(self.batch * self.heads_q),
+            sq_bucket=bucket(self.seqlen_q), sk_bucket=bucket(self.seqlen_k))
+
+    def flops(self, direction: str = "fwd") -> float:
+        """House protocol: fwd = 4*B*Hq*Sq*Sk*D, halved for causal when Sq == Sk; bwd = 2.5x."""
+        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        if self.causal and self.seqlen_q == self.seqlen_k:
+            f /= 2
+        return f * (2.5 if direction == "bwd" else 1.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["window"] = list(self.window)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Problem:
+        d = dict(d)
+        d["window"] = tuple(d.get("window", (-1, -1)))
+        return cls(**d)
+
+    @classmethod
+    def from_tensors(cls, q: Any, k: Any, *, causal: bool = False,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Problem:
+        import torch
+
+        dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+        b, hq, sq, d = q.shape
+        return cls(batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
+                   head_dim=d, dtype=dt, causal=bool(causal), window=tuple(window_size),
+                   softcap=float(softcap))
