@@ -1,0 +1,56 @@
+"""Block-range arithmetic shared by the forward and backward kernels.
+
+Visibility rule (flash-attn >= 2.1, bottom-right aligned): with ``offset = Sk - Sq``,
+query row ``i`` sees key ``j`` iff ``i + offset - left <= j <= i + offset + right``,
+where an unbounded side (``left``/``right`` = -1, no causal) is simply not checked.
+``causal`` is ``right = 0``.
+
+For an outer tile ``[start, start + BLOCK_OUTER)`` the inner loop is split in three
+runs of inner tiles: ``[lo, full_lo)`` needs the mask, ``[full_lo, full_hi)`` is
+visible to every outer row and in bounds (no mask at all), ``[full_hi, hi)`` needs
+the mask again. The backward's dK/dV kernel uses the same helper with the roles of
+queries and keys swapped (``offset -> -offset``, ``left <-> right``).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _inner_range(start, inner_len, offset, left, right,
+                 BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    # Outer rows x in [start, start + BLOCK_OUTER) see inner j in [x + offset - left, x + offset + right].
+    last = start + BLOCK_OUTER - 1
+    hi = inner_len
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, last + offset + right + 1)
+    hi = tl.maximum(hi, 0)
+    hi = tl.cdiv(hi, BLOCK_INNER) * BLOCK_INNER
+    lo = 0
+    if MASK_LEFT:
+        lo = tl.maximum(start + offset - left, 0)
+        lo = (lo // BLOCK_INNER) * BLOCK_INNER
+    lo = tl.minimum(lo, hi)
+    # Tiles fully visible to every outer row and fully in bounds.
+    full_hi = (inner_len // BLOCK_INNER) * BLOCK_INNER
+    if MASK_RIGHT:
+        full_hi = tl.minimum(full_hi, ((start + offset + right + 1) // BLOCK_INNER) * BLOCK_INNER)
+    full_lo = lo
+    if MASK_LEFT:
+        full_lo = tl.maximum(full_lo, tl.cdiv(last + offset - left, BLOCK_INNER) * BLOCK_INNER)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(rows, cols, n_rows, n_cols, offset, left, right,
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    # rows: [R] outer indices, cols: [C] inner indices -> [R, C] boolean visibility + bounds.
+    vis = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    if MASK_LEFT:
+        vis = vis & (cols[None, :] >= rows[:, None] + offset - left)
+    if MASK_RIGHT:
+        vis = vis & (cols[None, :] <= rows[:, None] + offset + right)
+    return vis

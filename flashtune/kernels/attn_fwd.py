@@ -1,0 +1,204 @@
+"""FlashAttention-2 forward: Triton kernel and host launcher.
+
+One program owns a BLOCK_M tile of query rows for one (batch, query head) and
+streams the visible K/V tiles through on-chip online-softmax state (running max
+``m``, running sum ``l``, fp32 accumulator). Scores live in the log2 domain so the
+exponentials are ``exp2``. The key loop is split into masked edge runs and an
+unmasked middle run (see ``_masking``). It writes O and the natural-log LSE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtune.kernels._masking import _inner_range, _visible
+from flashtune.kernels.config import FwdConfig, padded_head_dim
+
+LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): converts a log2-domain LSE back to natural log
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 (exp2 -> inf or 0).
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, cap_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """q @ k^T mapped to log2-domain softmax logits (with optional tanh soft-capping)."""
+    qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        return _tanh(qk * cap_scale) * cap_log2
+    return qk * qk_scale
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               PAD_D: tl.constexpr):
+    if CHECK_ROWS:
+        if PAD_D:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
+                           other=0.0)
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    if PAD_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
+               start_n, end_n, seq_q, seq_k, offset, left, right,
+               qk_scale, cap_scale, cap_log2,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr):
+    # K, V point at key row 0 / column offs_d of this (batch, kv head).
+    for start in tl.range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = _load_rows(K + offs_n[:, None] * stride_kn, offs_n, seq_k, offs_d,
+                       HEAD_DIM, MASKED, PAD_D)
+        s = _scores(q, k, qk_scale, cap_scale, cap_log2, SOFTCAP)
+        if MASKED:
+            vis = _visible(offs_m, offs_n, seq_q, seq_k, offset, left, right,
+                           MASK_LEFT, MASK_RIGHT)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(V + offs_n[:, None] * stride_vn, offs_n, seq_k, offs_d,
+                       HEAD_DIM, MASKED, PAD_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    heads_q, seq_q, seq_k, left, right,
+    qk_scale, cap_scale, cap_log2,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_N >= 16)  # tl.dot needs every dimension >= 16
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // heads_q).to(tl.int64)
+    off_h = (pid_bh % heads_q).to(tl.int64)
+    off_hk = off_h // GQA
+    offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh \
+        + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = _load_rows(q_ptrs, offs_m, seq_q, offs_d, HEAD_DIM, True, PAD_D)
+    Kh = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
+    Vh = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _inner_range(pid_m * BLOCK_M, seq_k, offset, left, right,
+                                            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    # Left edge (window), unmasked middle, right edge (diagonal / ragged end of K).
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
+                               lo, full_lo, seq_q, seq_k, offset, left, right,
+                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
+                               True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
+                               full_lo, full_hi, seq_q, seq_k, offset, left, right,
+                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
+                               False, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
+                               full_hi, hi, seq_q, seq_k, offset, left, right,
+                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
+                               True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+
+    # Rows that saw no key: output 0 and LSE = +inf (so the backward's P = exp(s - lse) = 0).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2)
+    row_ok = offs_m < seq_q
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_ok)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh \
+        + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    if PAD_D:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def mask_params(causal: bool, window: tuple[int, int]) -> tuple[int, int, bool, bool]:
+    """(left, right, MASK_LEFT, MASK_RIGHT) for the kernels' visibility rule."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return max(left, 0), max(right, 0), left >= 0, right >= 0
+
+
+def score_scales(sm_scale: float, softcap: float) -> tuple[float, float, float]:
+    """(qk_scale, cap_scale, cap_log2): the log2-domain multipliers the kernels take."""
+    if softcap > 0.0:
+        return 0.0, sm_scale / softcap, softcap * LOG2E
+    return sm_scale * LOG2E, 0.0, 0.0
+
+
+def launch_options(num_warps: int, num_stages: int, maxnreg: int) -> dict[str, int]:
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return opts
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+             sm_scale: float, window: tuple[int, int], softcap: float,
+             config: FwdConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Inputs are validated by the caller (``attention.py``).
+
+    Returns ``o`` (q's shape, dtype and memory layout) and ``lse`` ((B, Hq, Sq) fp32, natural log).
+    """
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    left, right, mask_left, mask_right = mask_params(causal, window)
+    qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
+    c = config
+    grid = (triton.cdiv(sq, c.block_m), b * hq)
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        hq, sq, sk, left, right,
+        qk_scale, cap_scale, cap_log2,
+        GQA=hq // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d),
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+        **launch_options(c.num_warps, c.num_stages, c.maxnreg),
+    )
+    return o, lse
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
