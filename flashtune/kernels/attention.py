@@ -1,0 +1,290 @@
+"""The layers above the launchers: input validation, a ``torch.autograd.Function``,
+``torch.library`` custom ops (with fake implementations, so ``torch.compile`` sees
+through them), and the typed public function.
+
+Config selection happens *inside* the ops, at run time, through a resolver hook:
+by default the heuristic defaults; the dispatcher installs its own lookup. That
+keeps database code out of traced graphs and out of this package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from flashtune.kernels.attn_bwd import attn_bwd
+from flashtune.kernels.attn_fwd import attn_fwd
+from flashtune.kernels.config import (
+    BwdConfig,
+    FwdConfig,
+    check_bwd,
+    check_fwd,
+    default_bwd,
+    default_fwd,
+)
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
+                    "FwdConfig | BwdConfig"]
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+             softcap: float) -> Any:
+    from flashtune._problem import Problem
+
+    return Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
+
+
+def heuristic_resolver(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
+                       window: tuple[int, int], softcap: float) -> FwdConfig | BwdConfig:
+    p = _problem(q, k, causal, window, softcap)
+    return default_fwd(p) if direction == "fwd" else default_bwd(p)
+
+
+_resolver: Resolver = heuristic_resolver
+
+
+def set_config_resolver(fn: Resolver | None) -> None:
+    """Install the function that picks a config when the caller forces none (None resets)."""
+    global _resolver
+    _resolver = fn if fn is not None else heuristic_resolver
+
+
+def get_config_resolver() -> Resolver:
+    return _resolver
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_size: Any,
+             softcap: Any) -> tuple[float, tuple[int, int], float]:
+    """Check the public arguments; return (scale, window, softcap) normalised.
+
+    Raises TypeError / ValueError naming the argument and the offending value.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seqlen, head_dim), "
+                             f"got shape {tuple(t.shape)} ({t.dim()}-D)")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cpu" and not _INTERPRET:
+        raise ValueError("q is a CPU tensor: CPU tensors run only under Triton's interpreter "
+                         "(set TRITON_INTERPRET=1 before importing flashtune); move the "
+                         "tensors to a CUDA device otherwise")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"q.device must be a CUDA device, got {q.device}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)} v {tuple(v.shape)}")
+    bk, hk, sk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k.shape[0] (batch) = {bk} must equal q.shape[0] = {b}")
+    if dk != d:
+        raise ValueError(f"k.shape[3] (head_dim) = {dk} must equal q.shape[3] = {d}")
+    if d % 8 or not 16 <= d <= 256:
+        raise ValueError(f"head_dim = {d} is not supported: use a multiple of 8 in [16, 256]")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"q heads = {hq} must be a multiple of k/v heads = {hk} (GQA/MQA)")
+    if b < 1 or sq < 1 or sk < 1:
+        raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got batch={b}, "
+                         f"seqlen_q={sq}, seqlen_k={sk}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    if (not isinstance(window_size, Sequence) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    window = (int(window_size[0]), int(window_size[1]))
+    if window[0] < -1 or window[1] < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {window}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {softcap!r}")
+    cap = float(softcap)
+    if not (cap >= 0 and math.isfinite(cap)):
+        raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap!r}")
+    return scale, window, cap
+
+
+def split_config(config: Any) -> tuple[FwdConfig | None, BwdConfig | None]:
+    """Accept None, a FwdConfig, a BwdConfig or a (FwdConfig, BwdConfig) pair."""
+    if config is None:
+        return None, None
+    if isinstance(config, FwdConfig):
+        return config, None
+    if isinstance(config, BwdConfig):
+        return None, config
+    if (isinstance(config, (tuple, list)) and len(config) == 2
+            and isinstance(config[0], FwdConfig) and isinstance(config[1], BwdConfig)):
+        return config[0], config[1]
+    raise TypeError("config must be None, a FwdConfig, a BwdConfig or a (FwdConfig, BwdConfig) "
+                    f"pair, got {config!r}")
+
+
+def _encode(cfg: FwdConfig | BwdConfig | None) -> list[int]:
+    # Custom-op schemas carry ints, not dataclasses: fields in declaration order; [] = resolve.
+    return [] if cfg is None else [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
+
+
+def _fwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bool,
+                window: tuple[int, int], softcap: float) -> FwdConfig:
+    if enc:
+        return FwdConfig(*enc)
+    cfg = _resolver("fwd", q, k, causal, window, softcap)
+    assert isinstance(cfg, FwdConfig)
+    return cfg
+
+
+def _bwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bool,
+                window: tuple[int, int], softcap: float) -> BwdConfig:
+    if enc:
+        return BwdConfig(*enc)
+    cfg = _resolver("bwd", q, k, causal, window, softcap)
+    assert isinstance(cfg, BwdConfig)
+    return cfg
+
+
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+              window: tuple[int, int], softcap: float, enc: Sequence[int],
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = _fwd_config(enc, q, k, causal, window, softcap)
+    return attn_fwd(q, k, v, causal=causal, sm_scale=scale, window=window, softcap=softcap,
+                    config=cfg)
+
+
+def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+              window: tuple[int, int], softcap: float, enc: Sequence[int],
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = _bwd_config(enc, q, k, causal, window, softcap)
+    return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
+                    softcap=softcap, config=cfg)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("flashtune::attn_fwd", mutates_args=())
+def attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                window_left: int, window_right: int, softcap: float, fwd_config: list[int],
+                bwd_config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, causal, scale, (window_left, window_right), softcap, fwd_config)
+
+
+@attn_fwd_op.register_fake
+def _(q, k, v, causal, scale, window_left, window_right, softcap, fwd_config, bwd_config):
+    b, hq, sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attn_bwd", mutates_args=())
+def attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                window_left: int, window_right: int, softcap: float, bwd_config: list[int],
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(do, q, k, v, o, lse, causal, scale, (window_left, window_right), softcap,
+                     bwd_config)
+
+
+@attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, bwd_config):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, causal, scale, wl, wr, softcap, _fwd_cfg, bwd_cfg = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (causal, scale, wl, wr, softcap, bwd_cfg)
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+    q, k, v, o, lse = ctx.saved_tensors
+    causal, scale, wl, wr, softcap, bwd_cfg = ctx.args
+    dq, dk, dv = attn_bwd_op(do, q, k, v, o, lse, causal, scale, wl, wr, softcap, bwd_cfg)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+# ----------------------------------------------------------------------------- eager path
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """Eager autograd path: calls the launchers directly (no op-dispatch overhead)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float, window: tuple[int, int], softcap: float, fwd_enc: list[int],
+                bwd_enc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _fwd_impl(q, k, v, causal, scale, window, softcap, fwd_enc)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, scale, window, softcap, bwd_enc)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, scale, window, softcap, bwd_enc = ctx.args
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    softmax_scale: float | None = None,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    return_lse: bool = False,
+                    config: FwdConfig | BwdConfig | tuple[FwdConfig, BwdConfig] | None = None,
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 on q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), any strides.
+
+    ``causal`` is bottom-right aligned when Sq != Sk; ``window_size=(left, right)``
+    bounds the visible keys (-1: unbounded); ``softcap > 0`` applies
+    ``softcap * tanh(s / softcap)`` to the scores. Returns the output (q's shape and
+    dtype), plus the natural-log LSE (B, Hq, Sq) fp32 with ``return_lse=True``.
+    ``config`` forces a forward and/or backward config; otherwise the installed
+    resolver (the dispatcher, or the heuristic default) chooses.
+    """
+    scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
+    fwd_cfg, bwd_cfg = split_config(config)
+    if fwd_cfg is not None or bwd_cfg is not None:
+        p = _problem(q, k, causal, window, cap)
+        if fwd_cfg is not None:
+            check_fwd(fwd_cfg, p)
+        if bwd_cfg is not None:
+            check_bwd(bwd_cfg, p)
+    fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)
+    if torch.compiler.is_compiling():
+        o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, fwd_enc, bwd_enc)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = FlashAttnFunc.apply(q, k, v, causal, scale, window, cap, fwd_enc, bwd_enc)
+    else:
+        o, lse = _fwd_impl(q, k, v, causal, scale, window, cap, fwd_enc)
+    return (o, lse) if return_lse else o
