@@ -1,0 +1,183 @@
+"""The house measuring protocol (DESIGN.md), shared by benchmarks, the tuner and the CLI.
+
+- FLOPs: ``Problem.flops`` (fwd = 4·B·Hq·Sq·Sk·D, halved for causal Sq == Sk; bwd = 2.5x).
+- Timing: ``triton.testing.do_bench`` quantiles on CUDA (it flushes L2 between
+  repetitions); a wall-clock loop under the CPU interpreter, labelled as such.
+- Three timings per implementation: training forward (inputs require grad, LSE saved),
+  backward as (forward+backward) - forward, and inference forward under no_grad.
+- Anchors: SDPA's cuDNN, FA2 and efficient backends and compiled FlexAttention.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from flashtune._problem import Problem
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    interpreter: bool = False
+
+    def tflops(self, flops: float) -> float:
+        return flops / (self.median_ms * 1e-3) / 1e12 if self.median_ms > 0 else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPE[name]
+
+
+def make_inputs(p: Problem, device: torch.device | str, *, requires_grad: bool = False,
+                generator: torch.Generator | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh N(0, 1) q, k, v for ``p`` in SDPA layout (B, H, S, D); never zeros."""
+    dt = torch_dtype(p.dtype)
+    shapes = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim),
+              (p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+              (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
+    out = []
+    for s in shapes:
+        t = torch.randn(s, device=device, dtype=torch.float32, generator=generator).to(dt)
+        out.append(t.requires_grad_(requires_grad))
+    return out[0], out[1], out[2]
+
+
+def time_fn(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
+            cpu_reps: int = 3) -> Timing:
+    """Median/p20/p80 of ``fn()`` in ms: do_bench on CUDA, a host clock loop otherwise."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                quantiles=[0.5, 0.2, 0.8])
+        return Timing(float(med), float(p20), float(p80))
+    fn()
+    times = []
+    for _ in range(max(cpu_reps, 1)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    return Timing(statistics.median(times), q[0], q[3], interpreter=True)
+
+
+def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
+                  warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, Timing]:
+    """{'fwd': training forward, 'bwd': (fwd+bwd) - fwd, 'infer': inference forward}."""
+    q, k, v = make_inputs(p, device, requires_grad=True)
+    do = torch.randn_like(q)
+
+    def fwd() -> None:
+        attn(q, k, v)
+
+    def fwd_bwd() -> None:
+        o = attn(q, k, v)
+        torch.autograd.backward(o, do)
+
+    t_fwd = time_fn(fwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    t_fb = time_fn(fwd_bwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    qi, ki, vi = (t.detach() for t in (q, k, v))
+
+    def infer() -> None:
+        with torch.no_grad():
+            attn(qi, ki, vi)
+
+    t_inf = time_fn(infer, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    bwd = Timing(max(t_fb.median_ms - t_fwd.median_ms, 1e-6),
+                 max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6), max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6),
+                 t_fb.interpreter)
+    return {"fwd": t_fwd, "bwd": bwd, "infer": t_inf}
+
+
+def _sdpa(backend_name: str, p: Problem) -> AttnFn:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    backend = getattr(SDPBackend, backend_name)
+    gqa = p.heads_q != p.heads_kv
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            if gqa:
+                return sdpa(q, k, v, is_causal=p.causal, enable_gqa=True)
+            return sdpa(q, k, v, is_causal=p.causal)
+
+    return run
+
+
+def _flex(p: Problem) -> AttnFn:
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # Each shape is a recompile; without headroom dynamo silently falls back to eager.
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if p.causal:
+        off = p.seqlen_k - p.seqlen_q
+
+        def causal(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            return ki <= qi + off
+
+        mask = create_block_mask(causal, None, None, p.seqlen_q, p.seqlen_k, device="cuda")
+    gqa = p.heads_q != p.heads_kv
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return compiled(q, k, v, block_mask=mask, enable_gqa=gqa)  # type: ignore[no-any-return]
+
+    return run
+
+
+def anchors(p: Problem) -> dict[str, AttnFn]:
+    """The protocol's anchor implementations for ``p`` (CUDA only; SDPA semantics: Sq == Sk
+    for causal, no window or softcap)."""
+    if p.has_window or p.softcap > 0 or (p.causal and p.seqlen_q != p.seqlen_k):
+        return {}
+    return {
+        "cudnn": _sdpa("CUDNN_ATTENTION", p),
+        "fa2": _sdpa("FLASH_ATTENTION", p),
+        "efficient": _sdpa("EFFICIENT_ATTENTION", p),
+        "flex": _flex(p),
+    }
+
+
+def standard_matrix() -> list[Problem]:
+    """DESIGN.md's standard matrix: B*S = 16384 tokens, Hq*D = 2048, bf16."""
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for s in (512, 1024, 2048, 4096, 8192, 16384):
+                h = 2048 // d
+                out.append(Problem(batch=16384 // s, heads_q=h, heads_kv=h, seqlen_q=s,
+                                   seqlen_k=s, head_dim=d, dtype="bf16", causal=causal))
+    for causal in (False, True):
+        out.append(Problem(batch=4, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_k=4096,
+                           head_dim=128, dtype="bf16", causal=causal))
+        for s in (1000, 3000):
+            out.append(Problem(batch=max(16384 // s, 1), heads_q=16, heads_kv=16, seqlen_q=s,
+                               seqlen_k=s, head_dim=128, dtype="bf16", causal=causal))
+    return out
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
