@@ -25,6 +25,10 @@ class NotFoundError(StorageError, KeyError):
     """A row that was asked for does not exist."""
 
 
+class DatabaseMissingError(StorageError, FileNotFoundError):
+    """A database opened read-only (or a shipped file) does not exist."""
+
+
 class SchemaError(StorageError):
     """The database is of a schema this version cannot use (too new, or not ours)."""
 
