@@ -1,5 +1,6 @@
 """Triton FlashAttention-2 kernels, host launchers, autograd/custom-op wrappers, reference."""
 
+from flashtune.kernels._interp_compat import patch_interpreter_bf16_dot
 from flashtune.kernels.config import (
     BwdConfig,
     FwdConfig,
@@ -8,5 +9,7 @@ from flashtune.kernels.config import (
     default_bwd,
     default_fwd,
 )
+
+patch_interpreter_bf16_dot()
 
 __all__ = ["FwdConfig", "BwdConfig", "check_fwd", "check_bwd", "default_fwd", "default_bwd"]

@@ -7,6 +7,7 @@ the inputs' own dtype, which is "PyTorch's own low-precision error" in the 2x ru
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -56,3 +57,117 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out = torch.matmul(p.to(v.dtype), v)
     lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
     return out.to(dtype), lse
+
+
+# ----------------------------------------------------------------------------- the 2x rule
+
+ATOL = {"out": 1e-3, "lse": 1e-3, "dq": 2e-3, "dk": 2e-3, "dv": 2e-3}
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| over finite reference entries; inf if x has NaN or inf where ref is finite,
+    or if the non-finite entries (empty rows' LSE) do not match."""
+    x = x.float()
+    fin = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(x), fin) or torch.isnan(x).any():
+        return math.inf
+    if not torch.equal(x[~fin], ref[~fin]):
+        return math.inf
+    return (x[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def within_rule(errs: dict[str, float], torch_errs: dict[str, float],
+                factor: float = 2.0) -> tuple[bool, float, str]:
+    """flash-attn's rule: err <= factor * torch_lowp_err + atol, for every tensor.
+
+    Returns (ok, worst ratio err / allowed, a one-line detail naming the worst tensor).
+    """
+    worst, worst_name = 0.0, ""
+    for name, e in errs.items():
+        allowed = factor * torch_errs[name] + ATOL[name]
+        r = e / allowed if math.isfinite(e) else math.inf
+        if r >= worst:
+            worst, worst_name = r, name
+    detail = (f"{worst_name}: err {errs[worst_name]:.3g} vs allowed "
+              f"{factor * torch_errs[worst_name] + ATOL[worst_name]:.3g}") if worst_name else ""
+    return worst <= 1.0, worst, detail
+
+
+class Comparison:
+    """Result of a correctness check: ``ok``, the largest absolute error, the worst
+    error/allowed ratio (<= 1 passes) and a one-line detail."""
+
+    __slots__ = ("ok", "max_error", "ratio", "detail", "errors")
+
+    def __init__(self, ok: bool, max_error: float, ratio: float, detail: str,
+                 errors: dict[str, float]):
+        self.ok, self.max_error, self.ratio, self.detail, self.errors = (
+            ok, max_error, ratio, detail, errors)
+
+    def __repr__(self) -> str:
+        return f"Comparison(ok={self.ok}, max_error={self.max_error:.3g}, ratio={self.ratio:.3g})"
+
+
+def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
+                     out: torch.Tensor, lse: torch.Tensor,
+                     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *,
+                     causal: bool, softmax_scale: float | None, window_size: tuple[int, int],
+                     softcap: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(errors of the candidate, errors of PyTorch's own low-precision path), both against
+    the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+              softcap=softcap)
+    need_grad = grads is not None
+    q32, k32, v32 = (t.detach().float().requires_grad_(need_grad) for t in (q, k, v))
+    ql, kl, vl = (t.detach().clone().requires_grad_(need_grad) for t in (q, k, v))
+    ref_o, ref_lse = attention_ref(q32, k32, v32, upcast=True, **kw)
+    low_o, low_lse = attention_ref(ql, kl, vl, upcast=False, **kw)
+    errs = {"out": _max_err(out, ref_o.detach()), "lse": _max_err(lse, ref_lse.detach())}
+    terrs = {"out": _max_err(low_o.detach(), ref_o.detach()),
+             "lse": _max_err(low_lse.detach(), ref_lse.detach())}
+    if grads is not None:
+        assert do is not None
+        r = torch.autograd.grad(ref_o, (q32, k32, v32), do.float())
+        lg = torch.autograd.grad(low_o, (ql, kl, vl), do)
+        for name, g, rg, lowg in zip(("dq", "dk", "dv"), grads, r, lg):
+            errs[name] = _max_err(g, rg)
+            terrs[name] = _max_err(lowg, rg)
+    return errs, terrs
+
+
+def compare(problem: Any, direction: str, config: Any, *, device: torch.device | str,
+            generator: torch.Generator | None = None, factor: float = 2.0) -> Comparison:
+    """The correctness gate: run ``config`` on fresh random inputs for ``problem`` and
+    check it against the fp32 reference under the 2x rule.
+
+    ``direction="fwd"`` checks O and the LSE (config: FwdConfig); ``"bwd"`` checks dq, dk
+    and dv (config: BwdConfig; the forward runs with the heuristic default).
+    """
+    from flashtune.kernels.attn_bwd import attn_bwd
+    from flashtune.kernels.attn_fwd import attn_fwd
+    from flashtune.kernels.config import default_fwd
+
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[problem.dtype]
+    p = problem
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(
+            device=device, dtype=dt)
+
+    q = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+    k = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
+    v = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
+    scale = 1.0 / math.sqrt(p.head_dim)
+    kw = dict(causal=p.causal, sm_scale=scale, window=p.window, softcap=p.softcap)
+    fcfg = config if direction == "fwd" else default_fwd(p)
+    o, lse = attn_fwd(q, k, v, config=fcfg, **kw)
+    do = grads = None
+    if direction == "bwd":
+        do = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+        grads = attn_bwd(do, q, k, v, o, lse, config=config, **kw)
+    errs, terrs = reference_errors(q, k, v, do, o, lse, grads, causal=p.causal,
+                                   softmax_scale=scale, window_size=p.window, softcap=p.softcap)
+    if direction == "bwd":  # the gate for a backward config judges its own outputs
+        errs = {n: errs[n] for n in ("dq", "dk", "dv")}
+    ok, ratio, detail = within_rule(errs, terrs, factor)
+    return Comparison(ok, max(errs.values()), ratio, detail, errs)
