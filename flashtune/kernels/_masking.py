@@ -20,7 +20,8 @@ import triton.language as tl
 def _inner_range(start, inner_len, offset, left, right,
                  BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr,
                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
-    # Outer rows x in [start, start + BLOCK_OUTER) see inner j in [x + offset - left, x + offset + right].
+    # Outer rows x in [start, start + BLOCK_OUTER) see inner j in
+    # [x + offset - left, x + offset + right].
     last = start + BLOCK_OUTER - 1
     hi = inner_len
     if MASK_RIGHT:

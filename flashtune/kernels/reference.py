@@ -129,7 +129,7 @@ def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
         assert do is not None
         r = torch.autograd.grad(ref_o, (q32, k32, v32), do.float())
         lg = torch.autograd.grad(low_o, (ql, kl, vl), do)
-        for name, g, rg, lowg in zip(("dq", "dk", "dv"), grads, r, lg):
+        for name, g, rg, lowg in zip(("dq", "dk", "dv"), grads, r, lg, strict=True):
             errs[name] = _max_err(g, rg)
             terrs[name] = _max_err(lowg, rg)
     return errs, terrs
