@@ -1,0 +1,141 @@
+"""The tables of the tuning database (SQLAlchemy 2.x typed models).
+
+Every table is prefixed ``ft_``: Optuna keeps its study tables (and its own Alembic
+version table) in the same database. Unique constraints mirror the keys: a device
+and a software environment by fingerprint, a problem by every :class:`ProblemKey`
+field, a result by (device, software, problem), a miss by (device, problem).
+
+Schema changes are Alembic migrations in ``migrations/versions``; these models must
+always equal the newest migration (a test compares them).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Double,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from flashtune._problem import ProblemKey
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+
+VERSION_TABLE = "flashtune_alembic_version"
+_NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=_NAMING)
+
+
+class _Fingerprinted:
+    """A row found by its fingerprint (the hash of the other columns)."""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(32), unique=True)
+
+
+class Device(_Fingerprinted, Base):
+    __tablename__ = "ft_devices"
+
+    name: Mapped[str] = mapped_column(String(200))
+    capability: Mapped[str] = mapped_column(String(32))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    memory_gb: Mapped[int] = mapped_column(Integer)
+
+    def info(self) -> DeviceInfo:
+        return DeviceInfo(name=self.name, capability=self.capability, sm_count=self.sm_count,
+                          memory_gb=self.memory_gb)
+
+
+class Software(_Fingerprinted, Base):
+    __tablename__ = "ft_software"
+
+    torch: Mapped[str] = mapped_column(String(128))
+    triton: Mapped[str] = mapped_column(String(128))
+    cuda: Mapped[str] = mapped_column(String(128))
+    kernels_hash: Mapped[str] = mapped_column(String(128))
+
+    def info(self) -> SoftwareInfo:
+        return SoftwareInfo(torch=self.torch, triton=self.triton, cuda=self.cuda,
+                            kernels_hash=self.kernels_hash)
+
+
+KEY_COLUMNS = tuple(ProblemKey.__dataclass_fields__)
+
+
+class ProblemRow(Base):
+    __tablename__ = "ft_problems"
+    __table_args__ = (UniqueConstraint(*KEY_COLUMNS, name="uq_ft_problems_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    direction: Mapped[str] = mapped_column(String(8))
+    dtype: Mapped[str] = mapped_column(String(16))
+    head_dim: Mapped[int] = mapped_column(Integer)
+    causal: Mapped[bool] = mapped_column(Boolean)
+    window: Mapped[bool] = mapped_column(Boolean)
+    softcap: Mapped[bool] = mapped_column(Boolean)
+    gqa_ratio: Mapped[int] = mapped_column(Integer)
+    bh_bucket: Mapped[int] = mapped_column(Integer)
+    sq_bucket: Mapped[int] = mapped_column(Integer)
+    sk_bucket: Mapped[int] = mapped_column(Integer)
+
+    def key(self) -> ProblemKey:
+        return ProblemKey(**{c: getattr(self, c) for c in KEY_COLUMNS})
+
+
+class ResultRow(Base):
+    __tablename__ = "ft_results"
+    __table_args__ = (UniqueConstraint("device_id", "software_id", "problem_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    software_id: Mapped[int] = mapped_column(ForeignKey("ft_software.id"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
+    config_json: Mapped[str] = mapped_column(Text)
+    example_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    median_ms: Mapped[float] = mapped_column(Double)
+    p20_ms: Mapped[float] = mapped_column(Double)
+    p80_ms: Mapped[float] = mapped_column(Double)
+    tflops: Mapped[float] = mapped_column(Double)
+    max_error: Mapped[float] = mapped_column(Double)
+    trials: Mapped[int] = mapped_column(Integer)
+    search_seconds: Mapped[float] = mapped_column(Double)
+    host: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    flashtune_version: Mapped[str] = mapped_column(String(64))
+
+    device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
+    software: Mapped[Software] = relationship(lazy="joined", innerjoin=True)
+    problem: Mapped[ProblemRow] = relationship(lazy="joined", innerjoin=True)
+
+
+class MissRow(Base):
+    __tablename__ = "ft_misses"
+    __table_args__ = (UniqueConstraint("device_id", "problem_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
+    software_id: Mapped[int] = mapped_column(ForeignKey("ft_software.id"))
+    count: Mapped[int] = mapped_column(BigInteger)
+    example_json: Mapped[str] = mapped_column(Text)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
+    problem: Mapped[ProblemRow] = relationship(lazy="joined", innerjoin=True)

@@ -1,0 +1,393 @@
+"""The SQLAlchemy implementation of :class:`~flashtune.db.storage.Storage`
+(SQLite and PostgreSQL).
+
+- One session scope (:meth:`RDBStorage._session`) carries every read and write: it
+  commits, rolls back on error and turns driver errors into :class:`StorageError`.
+- SQLite runs in WAL mode with a busy timeout; write transactions start with
+  ``BEGIN IMMEDIATE`` so two writers never deadlock upgrading a read lock.
+- Concurrent inserts of the same row are settled with ``INSERT ... ON CONFLICT DO
+  NOTHING`` followed by a re-read, on both dialects: no retry loops.
+- The schema is migrated with Alembic on open, under a lock (SQLite: the write
+  transaction; PostgreSQL: an advisory lock), so many processes may open a new
+  database at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from flashtune._problem import Problem, ProblemKey
+from flashtune.db.exchange import check_result, sort_key
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
+from flashtune.db.models import (
+    VERSION_TABLE,
+    Base,
+    Device,
+    MissRow,
+    ProblemRow,
+    ResultRow,
+    Software,
+)
+from flashtune.db.storage import PREFER, Result, Storage
+from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_S = 30.0
+_MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+# Any fixed 64-bit number: the PostgreSQL advisory lock that serializes migrations.
+_PG_MIGRATION_LOCK = 0x666C617368_74756E  # "flashtun"
+_WRITE = "flashtune_write"
+
+
+@functools.lru_cache(maxsize=1)
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory(str(_MIGRATIONS))
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    return cfg
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e.orig if isinstance(e, DBAPIError) and e.orig is not None else e)
+    return (text.strip().splitlines() or [type(e).__name__])[0]
+
+
+def _translate(e: BaseException, where: str) -> StorageError:
+    """One line saying what went wrong and where."""
+    msg = _first_line(e)
+    low = msg.lower()
+    if "database is locked" in low or "database is busy" in low:
+        return StorageError(f"{where}: the database is locked by another writer "
+                            f"(gave up after {BUSY_TIMEOUT_S:g} s)")
+    if "not a database" in low or "malformed" in low:
+        return StorageError(f"{where}: not a flashtune database, or corrupt ({msg})")
+    return StorageError(f"{where}: {msg}")
+
+
+def _sqlite_engine(url: Any, read_only: bool) -> Engine:
+    db = url.database
+    if not db or db == ":memory:":
+        engine = create_engine("sqlite://", poolclass=StaticPool,
+                               connect_args={"check_same_thread": False})
+        wal = False
+    else:
+        path = Path(db)
+        if read_only:
+            if not path.is_file():
+                raise DatabaseMissingError(f"{path}: no such database (opened read-only)")
+            uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+            engine = create_engine(
+                "sqlite://", creator=lambda: sqlite3.connect(
+                    uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
+        wal = not read_only
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event emit BEGIN itself (the driver's implicit
+        # transactions cannot do BEGIN IMMEDIATE, nor transactional DDL).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        cur.execute("PRAGMA foreign_keys = ON")
+        if wal:
+            cur.execute("PRAGMA journal_mode = WAL")
+            cur.execute("PRAGMA synchronous = NORMAL")  # durable against process death in WAL
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE)
+                             else "BEGIN")
+
+    return engine
+
+
+def _create_engine(url_text: str, read_only: bool) -> Engine:
+    url = make_url(url_text)
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, read_only)
+    opts: dict[str, Any] = {"pool_pre_ping": True}
+    if url.get_backend_name() == "postgresql":
+        opts["connect_args"] = {"connect_timeout": 10}
+        if read_only:
+            opts["execution_options"] = {"postgresql_readonly": True}
+    return create_engine(url, **opts)
+
+
+def _utc(t: datetime) -> datetime:
+    return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
+
+
+def _insert(session: Session, model: type[Base]) -> Any:
+    """The dialect's INSERT, which has ``on_conflict_do_nothing``."""
+    dialect = session.get_bind().dialect.name
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(model)
+
+
+def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[str, Any]) -> int:
+    """The id of the row matching ``where``, inserting ``values`` if there is none."""
+    find = select(model.id).filter_by(**where)
+    got = session.scalar(find)
+    if got is None:
+        session.execute(_insert(session, model).values(**values).on_conflict_do_nothing())
+        got = session.scalar(find)
+    assert got is not None
+    return int(got)
+
+
+class RDBStorage(Storage):
+    """:class:`Storage` on any SQLAlchemy URL of SQLite or PostgreSQL."""
+
+    def __init__(self, url: str, *, read_only: bool = False) -> None:
+        self.url = url
+        self.read_only = read_only
+        try:
+            self._where = make_url(url).render_as_string(hide_password=True)
+        except ArgumentError:
+            raise StorageError(f"{url!r} is not a database path or SQLAlchemy URL") from None
+        try:
+            self.engine = _create_engine(url, read_only)
+        except (ArgumentError, NoSuchModuleError, ImportError) as e:
+            raise StorageError(f"{self._where}: cannot use this URL ({_first_line(e)})") from None
+        self._read = sessionmaker(bind=self.engine, expire_on_commit=False)
+        self._write = sessionmaker(bind=self.engine.execution_options(**{_WRITE: True}),
+                                   expire_on_commit=False)
+        try:
+            self._migrate()
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    def __repr__(self) -> str:
+        return f"RDBStorage({self._where!r}, read_only={self.read_only})"
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (SQLAlchemyError, sqlite3.Error) as e:
+            raise _translate(e, self._where) from None
+
+    @contextmanager
+    def _session(self, *, write: bool = False) -> Iterator[Session]:
+        """The one session scope: commit on success, roll back on any error."""
+        if write and self.read_only:
+            raise StorageError(f"{self._where}: opened read-only; cannot write")
+        with self._errors():
+            session = (self._write if write else self._read)()
+            try:
+                yield session
+                if write:
+                    session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                session.close()
+
+    def _revision(self) -> str | None:
+        with self._errors(), self.engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+            return ctx.get_current_revision()
+
+    def _migrate(self) -> None:
+        scripts = _scripts()
+        head = scripts.get_current_head()
+        current = self._revision()
+        if current == head:
+            return
+        known = {s.revision for s in scripts.walk_revisions()}
+        if current is not None and current not in known:
+            raise SchemaError(
+                f"{self._where}: schema revision {current!r} is newer than this flashtune "
+                f"knows (up to {head!r}); upgrade flashtune")
+        if self.read_only:
+            what = "has no flashtune tables" if current is None else \
+                f"has schema revision {current!r}, older than {head!r}"
+            raise SchemaError(f"{self._where}: {what}; open it once for writing to upgrade")
+        cfg = _alembic_config()
+        with self._errors(), self.engine.connect() as conn:
+            conn = conn.execution_options(**{_WRITE: True})
+            with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- conversion ---------------------------------------------------------------------
+
+    def _result(self, row: ResultRow, software: SoftwareInfo) -> Result | None:
+        try:
+            example = json.loads(row.example_json) if row.example_json else None
+            r = Result(
+                device=row.device.info(), software=row.software.info(), key=row.problem.key(),
+                problem=Problem.from_dict(example) if example is not None else None,
+                config=json.loads(row.config_json), median_ms=row.median_ms,
+                p20_ms=row.p20_ms, p80_ms=row.p80_ms, tflops=row.tflops,
+                max_error=row.max_error, trials=row.trials,
+                search_seconds=row.search_seconds, host=row.host,
+                created_at=_utc(row.created_at).isoformat(timespec="microseconds"),
+                flashtune_version=row.flashtune_version)
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("flashtune: %s: skipping corrupt result row %s: %s",
+                        self._where, row.id, e)
+            return None
+        return r.against(software)
+
+    def _results(self, session: Session, stmt: Any, software: SoftwareInfo) -> list[Result]:
+        out = [self._result(row, software) for row in session.scalars(stmt).unique()]
+        return sorted((r for r in out if r is not None), key=sort_key)
+
+    @staticmethod
+    def _select(device: DeviceInfo | None = None, software: SoftwareInfo | None = None,
+                key: ProblemKey | None = None) -> Any:
+        stmt = select(ResultRow).join(ResultRow.device).join(ResultRow.software) \
+            .join(ResultRow.problem)
+        if device is not None:
+            stmt = stmt.where(Device.fingerprint == device.fingerprint)
+        if software is not None:
+            stmt = stmt.where(Software.fingerprint == software.fingerprint)
+        if key is not None:
+            stmt = stmt.filter_by(**key.as_dict())
+        return stmt
+
+    # -- writes -------------------------------------------------------------------------
+
+    def _ids(self, s: Session, device: DeviceInfo, software: SoftwareInfo | None,
+             key: ProblemKey) -> tuple[int, int | None, int]:
+        dev = _row_id(s, Device, {"fingerprint": device.fingerprint},
+                      {"fingerprint": device.fingerprint, **device.as_dict()})
+        sw = None if software is None else _row_id(
+            s, Software, {"fingerprint": software.fingerprint},
+            {"fingerprint": software.fingerprint, **software.as_dict()})
+        prob = _row_id(s, ProblemRow, key.as_dict(), key.as_dict())
+        return dev, sw, prob
+
+    def _put(self, s: Session, r: Result, prefer: str) -> str:
+        dev, sw, prob = self._ids(s, r.device, r.software, r.key)
+        ids = {"device_id": dev, "software_id": sw, "problem_id": prob}
+        values = {
+            "config_json": json.dumps(r.config, sort_keys=True),
+            "example_json": None if r.problem is None
+            else json.dumps(r.problem.as_dict(), sort_keys=True),
+            "median_ms": r.median_ms, "p20_ms": r.p20_ms, "p80_ms": r.p80_ms,
+            "tflops": r.tflops, "max_error": r.max_error, "trials": r.trials,
+            "search_seconds": r.search_seconds, "host": r.host,
+            "created_at": datetime.fromisoformat(r.created_at),
+            "flashtune_version": r.flashtune_version,
+        }
+        find = select(ResultRow).filter_by(**ids).with_for_update()
+        row = s.scalars(find).one_or_none()
+        if row is None:
+            done = s.execute(_insert(s, ResultRow).values(**ids, **values)
+                             .on_conflict_do_nothing())
+            if done.rowcount:  # type: ignore[attr-defined]
+                return "added"
+            row = s.scalars(find).one()  # a concurrent writer inserted it first
+        if prefer == "ours" or (prefer == "faster" and row.median_ms <= r.median_ms):
+            return "kept"
+        for name, value in values.items():
+            setattr(row, name, value)
+        s.flush()
+        return "replaced"
+
+    def put_results(self, results: Iterable[Result], *, prefer: str = "faster") -> list[str]:
+        if prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {PREFER}, got {prefer!r}")
+        checked = [check_result(r) for r in results]
+        with self._session(write=True) as s:
+            return [self._put(s, r, prefer) for r in checked]
+
+    def record_misses(self, device: DeviceInfo, software: SoftwareInfo,
+                      misses: dict[ProblemKey, tuple[int, Problem]]) -> None:
+        now = datetime.now(timezone.utc)
+        with self._session(write=True) as s:
+            for key, (count, problem) in sorted(misses.items()):
+                dev, sw, prob = self._ids(s, device, software, key)
+                where = {"device_id": dev, "problem_id": prob}
+                values = {"software_id": sw, "last_seen": now,
+                          "example_json": json.dumps(problem.as_dict(), sort_keys=True)}
+                s.execute(_insert(s, MissRow).values(**where, **values, count=0)
+                          .on_conflict_do_nothing())
+                s.execute(update(MissRow).filter_by(**where)
+                          .values(count=MissRow.count + int(count), **values))
+
+    # -- reads --------------------------------------------------------------------------
+
+    def get_result(self, device: DeviceInfo, software: SoftwareInfo,
+                   key: ProblemKey) -> Result | None:
+        with self._session() as s:
+            found = self._results(s, self._select(device, software, key), software)
+        return found[0] if found else None
+
+    def load_table(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
+        with self._session() as s:
+            return {r.key: r for r in self._results(s, self._select(device, software), software)}
+
+    def results(self, *, device: str | None = None, include_stale: bool = True,
+                software: SoftwareInfo | None = None) -> list[Result]:
+        sw = software or software_info()
+        with self._session() as s:
+            found = self._results(s, self._select(software=None if include_stale else sw), sw)
+        return [r for r in found if device is None or r.device.matches(device)]
+
+    def misses(self, device: str | None = None) -> list[tuple[ProblemKey, int, Problem]]:
+        total: dict[ProblemKey, list[Any]] = {}
+        with self._session() as s:
+            rows = s.scalars(select(MissRow).order_by(MissRow.last_seen)).unique().all()
+            for row in rows:
+                if device is not None and not row.device.info().matches(device):
+                    continue
+                try:
+                    key, example = row.problem.key(), Problem.from_dict(
+                        json.loads(row.example_json))
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("flashtune: %s: skipping corrupt miss row %s: %s",
+                                self._where, row.id, e)
+                    continue
+                acc = total.setdefault(key, [0, example])
+                acc[0] += row.count
+                acc[1] = example  # the most recent example wins
+        return sorted(((k, c, p) for k, (c, p) in total.items()), key=lambda t: (-t[1], t[0]))
+
+
+def database_file(storage: Storage) -> str | None:
+    """The SQLite file behind ``storage`` (None for memory or a server)."""
+    url = make_url(storage.url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    return os.path.abspath(url.database)

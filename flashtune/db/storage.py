@@ -1,0 +1,235 @@
+"""The storage API of the tuning database: the :class:`Storage` contract and
+:func:`open_storage`.
+
+This module imports no database driver; :func:`open_storage` loads the SQLAlchemy
+implementation (:mod:`flashtune.db.rdb`) on first use, so the shipped layer and the
+export format can be read without it.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from flashtune._problem import Problem, ProblemKey
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+
+PREFER = ("faster", "ours", "theirs")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One tuned config for (device, software, problem key), with its measurements.
+
+    ``stale`` is True when ``software`` differs from the software fingerprint the
+    result was read against (by default the running process's :func:`software_info`).
+    """
+
+    device: DeviceInfo
+    software: SoftwareInfo
+    key: ProblemKey
+    problem: Problem | None
+    config: dict[str, Any]
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    tflops: float
+    max_error: float
+    trials: int
+    search_seconds: float
+    host: str
+    created_at: str
+    flashtune_version: str
+    stale: bool = field(default=False, compare=False)
+
+    @property
+    def direction(self) -> str:
+        return self.key.direction
+
+    def against(self, software: SoftwareInfo) -> Result:
+        """This result with ``stale`` computed against ``software``."""
+        stale = self.software.fingerprint != software.fingerprint
+        return self if stale == self.stale else replace(self, stale=stale)
+
+
+class Storage(abc.ABC):
+    """The tuning database, as the tuner, the dispatcher and the CLI use it.
+
+    Keys. A result is stored under (device, software, problem key); at most one result
+    per triple. ``device`` and ``software`` are :class:`DeviceInfo` / :class:`SoftwareInfo`
+    (rows are created on first use); ``key`` is a :class:`ProblemKey`.
+
+    Staleness. A result whose software fingerprint differs from the one it is read
+    against is *stale*: it is kept and counted (:meth:`counts`), returned by
+    :meth:`results` with ``stale=True`` and offered by :meth:`seeds`, but never returned
+    by :meth:`get_result` or :meth:`load_table`, which serve only fresh results.
+
+    Writes. Every write is one transaction: it all happens or none of it does, and
+    concurrent writers (threads, processes, hosts on one PostgreSQL server) never see
+    a half-written state. Conflicts on one triple are settled by ``prefer``:
+    ``"faster"`` keeps the lower ``median_ms`` (ties keep the stored one), ``"ours"``
+    keeps the stored result, ``"theirs"`` takes the new one.
+
+    Values. ``config`` must be a valid config of the key's direction (unknown fields
+    or values outside a knob's choices raise ``ValueError``); it is stored in full,
+    with defaults filled in. Timings are milliseconds, finite and ``p20 <= median <=
+    p80``; violations raise ``ValueError`` and nothing is written.
+
+    Errors. Any failure to open, read or write raises a subclass of
+    :class:`flashtune.exceptions.StorageError` whose message is one line naming the
+    database and what went wrong (garbage file, schema newer than this flashtune,
+    locked, missing read-only database, ...); never a raw driver exception.
+    """
+
+    url: str
+    read_only: bool
+
+    # -- results ----------------------------------------------------------------------
+
+    def put_result(self, device: DeviceInfo, software: SoftwareInfo, key: ProblemKey,
+                   config: dict[str, Any], *, median_ms: float, p20_ms: float,
+                   p80_ms: float, tflops: float, max_error: float, trials: int,
+                   search_seconds: float, problem: Problem | None = None,
+                   prefer: str = "faster") -> bool:
+        """Store one result (provenance: this host, now, this flashtune); True if written."""
+        host, created_at, version = provenance()
+        r = Result(device=device, software=software, key=key, problem=problem,
+                   config=dict(config), median_ms=median_ms, p20_ms=p20_ms, p80_ms=p80_ms,
+                   tflops=tflops, max_error=max_error, trials=trials,
+                   search_seconds=search_seconds, host=host, created_at=created_at,
+                   flashtune_version=version)
+        return self.put_results([r], prefer=prefer)[0] != "kept"
+
+    @abc.abstractmethod
+    def put_results(self, results: Iterable[Result], *, prefer: str = "faster") -> list[str]:
+        """Store many results in ONE transaction, keeping their provenance.
+
+        Returns one outcome per result: ``"added"``, ``"replaced"`` or ``"kept"`` (the
+        stored result won). Any invalid result raises before anything is written.
+        """
+
+    @abc.abstractmethod
+    def get_result(self, device: DeviceInfo, software: SoftwareInfo,
+                   key: ProblemKey) -> Result | None:
+        """The fresh result for exactly (device, software, key), or None."""
+
+    @abc.abstractmethod
+    def load_table(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
+        """Every fresh result of ``device`` under ``software``, by key, in one query."""
+
+    @abc.abstractmethod
+    def results(self, *, device: str | None = None, include_stale: bool = True,
+                software: SoftwareInfo | None = None) -> list[Result]:
+        """All results, sorted by (device, software, key).
+
+        ``device`` filters by fingerprint or by part of the device name (any case).
+        ``stale`` is computed against ``software`` (default: :func:`software_info`);
+        ``include_stale=False`` drops stale results.
+        """
+
+    def nearest(self, device: DeviceInfo, software: SoftwareInfo, key: ProblemKey,
+                n: int = 1) -> list[Result]:
+        """Up to ``n`` fresh results on ``device`` closest to ``key`` by
+        :meth:`ProblemKey.distance` (finite only; the exact key first, if present),
+        ties broken by ``median_ms``."""
+        table = self.load_table(device, software)
+        ranked = sorted((k.distance(key), r.median_ms, k, r) for k, r in table.items()
+                        if k.distance(key) != float("inf"))
+        return [r for *_, r in ranked[:n]]
+
+    def seeds(self, device: DeviceInfo, key: ProblemKey, software: SoftwareInfo,
+              *, n_nearest: int = 3) -> list[Result]:
+        """Warm-start seeds for tuning ``key`` on ``device`` under ``software``, best first:
+        the key's stale results on this device, then the key's results on other devices
+        (any software), then the :meth:`nearest` fresh results on this device."""
+        same_key = [r.against(software) for r in self.results(software=software)
+                    if r.key == key]
+        here = device.fingerprint
+        stale_here = [r for r in same_key if r.device.fingerprint == here and r.stale]
+        elsewhere = [r for r in same_key if r.device.fingerprint != here]
+        by_speed = lambda r: r.median_ms  # noqa: E731
+        return (sorted(stale_here, key=by_speed) + sorted(elsewhere, key=by_speed)
+                + self.nearest(device, software, key, n_nearest))
+
+    # -- misses -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def record_misses(self, device: DeviceInfo, software: SoftwareInfo,
+                      misses: dict[ProblemKey, tuple[int, Problem]]) -> None:
+        """Add dispatcher misses: per key, a count to add and one example problem."""
+
+    @abc.abstractmethod
+    def misses(self, device: str | None = None) -> list[tuple[ProblemKey, int, Problem]]:
+        """Recorded misses (device filter as in :meth:`results`), summed over devices per
+        key, most frequent first."""
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def counts(self, software: SoftwareInfo | None = None) -> dict[str, Any]:
+        """``{"entries": n, "stale": n, "misses": n, "devices": {fingerprint: {"name",
+        "entries", "stale"}}}``, staleness against ``software`` (default: current)."""
+        out: dict[str, Any] = {"entries": 0, "stale": 0, "devices": {}}
+        for r in self.results(software=software):
+            d = out["devices"].setdefault(r.device.fingerprint,
+                                          {"name": r.device.name, "entries": 0, "stale": 0})
+            for bucket in (out, d):
+                bucket["entries"] += 1
+                bucket["stale"] += int(r.stale)
+        out["misses"] = sum(c for _, c, _ in self.misses())
+        return out
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. The storage must not be used afterwards."""
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_path() -> Path:
+    """``$XDG_CACHE_HOME/flashtune/tuning.db``, or ``~/.cache/flashtune/tuning.db``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "flashtune" / "tuning.db"
+
+
+def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
+    """The SQLAlchemy URL for ``url``: None means ``FLASHTUNE_DB`` or :func:`default_path`;
+    a plain path means SQLite at that path; ``postgresql://`` uses psycopg (v3)."""
+    if url is None:
+        url = os.environ.get("FLASHTUNE_DB") or default_path()
+    text = os.fspath(url)
+    if "://" not in text:
+        return "sqlite:///" + str(Path(text).expanduser().absolute())
+    for plain in ("postgresql://", "postgres://"):
+        if text.startswith(plain):
+            return "postgresql+psycopg://" + text[len(plain):]
+    return text
+
+
+def open_storage(url: str | os.PathLike[str] | None = None, *,
+                 read_only: bool = False) -> Storage:
+    """Open (creating or upgrading if needed, unless ``read_only``) the tuning database.
+
+    See :func:`resolve_url` for ``url``. SQLite runs in WAL mode with a 30 s busy
+    timeout; a read-only database that does not exist raises a StorageError.
+    """
+    from flashtune.db.rdb import RDBStorage
+
+    return RDBStorage(resolve_url(url), read_only=read_only)
+
+
+def provenance() -> tuple[str, str, str]:
+    """(host, now as ISO-8601 UTC, flashtune version): who stored a result, and when."""
+    from flashtune import __version__
+
+    now = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return socket.gethostname(), now, __version__
