@@ -1,0 +1,105 @@
+"""Parallel compilation: build upcoming candidates on the CPU cores while the GPU
+times the current one.
+
+Each pool process patches the kernels' ``JITFunction.run`` to ``warmup=True`` (compile
+only, launch nothing), then calls the real launchers with tensors of the problem's
+shapes and strides (batch 1: the batch count changes the grid, not the binary). The
+binaries land in Triton's on-disk cache (``TRITON_CACHE_DIR``), which the timing
+worker shares, so its first launch loads instead of compiling. Calling the launchers
+rather than re-listing kernel arguments keeps this file ignorant of their signatures.
+
+Under the interpreter there is nothing to compile; the tuner runs no pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+_PATCHED = False
+
+
+def _compile_only() -> None:
+    """Make every jit kernel of the launcher modules compile without launching."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from triton.runtime.jit import JITFunction
+
+    import flashtune.kernels.attn_bwd as bwd_mod
+    import flashtune.kernels.attn_fwd as fwd_mod
+
+    for mod in (fwd_mod, bwd_mod):
+        for obj in vars(mod).values():
+            if isinstance(obj, JITFunction):
+                run = obj.run
+
+                def warm(*args: Any, _run: Any = run, **kwargs: Any) -> Any:
+                    kwargs["warmup"] = True
+                    return _run(*args, **kwargs)
+
+                obj.run = warm  # type: ignore[method-assign]
+    _PATCHED = True
+
+
+def precompile(problem: dict[str, Any], direction: str,
+               config: dict[str, Any]) -> tuple[float, str]:
+    """Compile ``config``'s kernels for ``problem``; (seconds, "" or the compile error)."""
+    t0 = time.perf_counter()
+    try:
+        import torch
+
+        from flashtune._problem import Problem
+        from flashtune.kernels.attn_bwd import attn_bwd
+        from flashtune.kernels.attn_fwd import attn_fwd, default_scale
+        from flashtune.kernels.config import config_from_dict
+
+        _compile_only()
+        p = replace(Problem.from_dict(problem), batch=1)
+        cfg = config_from_dict(direction, config)
+        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+        q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
+        k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda", dtype=dt)
+        v = torch.empty_like(k)
+        kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
+                  softcap=p.softcap)
+        if direction == "fwd":
+            attn_fwd(q, k, v, config=cfg, **kw)
+        else:
+            o = torch.empty_like(q)
+            lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, device="cuda", dtype=torch.float32)
+            attn_bwd(torch.empty_like(q), q, k, v, o, lse, config=cfg, **kw)
+    except Exception as e:  # the timing worker sees the same error and classifies it
+        return time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:300]}"
+    return time.perf_counter() - t0, ""
+
+
+def _noop() -> int:
+    return 0
+
+
+class CompilePool:
+    """A spawn-context process pool of ``n`` compile workers."""
+
+    def __init__(self, n: int):
+        self.n = n
+        ctx = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx)
+        self.busy_seconds = 0.0
+
+    def submit(self, problem: dict[str, Any], direction: str,
+               config: dict[str, Any]) -> Future[tuple[float, str]]:
+        fut = self._pool.submit(precompile, problem, direction, config)
+
+        def account(f: Future[tuple[float, str]]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.busy_seconds += f.result()[0]
+
+        fut.add_done_callback(account)
+        return fut
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

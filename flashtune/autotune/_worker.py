@@ -1,0 +1,99 @@
+"""The measurement worker: a subprocess that compiles, gates and times candidates.
+
+Started by :class:`flashtune.autotune._isolation.Worker` as
+``python -m flashtune.autotune._worker FD`` with FD one end of a socket pair. A
+crash here (illegal memory access, a segfault, a hang) takes down only this
+process; the parent records the trial as FAIL and starts a new worker.
+
+Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}``,
+``{"op": "retime", ...}`` or ``{"op": "stop"}``. The worker first sends
+``{"op": "ready", "pid", "device"}``, then one reply per request.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def _serve(conn: Connection) -> None:
+    import torch
+
+    from flashtune._problem import Problem
+    from flashtune.autotune import _faults
+    from flashtune.autotune.measure import Bench, Measurement, measure, retime
+    from flashtune.kernels.config import config_from_dict
+
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    device = "cpu" if interp or not torch.cuda.is_available() else "cuda"
+    rules = _faults.rules_from_env()
+    benches: dict[Any, Bench] = {}
+
+    def bench_for(problem: Problem) -> Bench:
+        b = benches.get(problem)
+        if b is None:
+            benches.clear()  # one problem at a time: free the last one's inputs
+            b = benches[problem] = Bench(problem, device)
+        return b
+
+    conn.send({"op": "ready", "pid": os.getpid(), "device": device})
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        op = msg.get("op")
+        if op == "stop":
+            return
+        problem = Problem.from_dict(msg["problem"])
+        direction = msg["direction"]
+        timing = msg.get("timing", {})
+        if op == "measure":
+            cfg_dict = msg["config"]
+            action = _faults.action_for(rules, direction, cfg_dict)
+            if action in ("exit", "segv", "hang"):
+                _faults.crash(action)
+            try:
+                cfg = config_from_dict(direction, cfg_dict)
+                bench = bench_for(problem)
+            except Exception as e:  # a config the kernels reject, or inputs that cannot fit
+                conn.send(Measurement("error", detail=f"{type(e).__name__}: {e}").as_dict())
+                continue
+            if action in ("corrupt", "raise"):
+                with _faults.kernel_fault(action, direction):
+                    m = measure(bench, direction, cfg, seed=msg["seed"], **timing)
+            else:
+                m = measure(bench, direction, cfg, seed=msg["seed"], **timing)
+            conn.send(m.as_dict())
+            if m.poisoned:
+                return  # the CUDA context is gone; the parent starts a fresh worker
+        elif op == "retime":
+            cfgs = [config_from_dict(direction, c) for c in msg["configs"]]
+            t0 = time.perf_counter()
+            try:
+                ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"], **timing)
+                conn.send({"status": "ok", "timings": [t.as_dict() for t in ts],
+                           "seconds": time.perf_counter() - t0})
+            except Exception as e:
+                conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
+                return
+        else:
+            conn.send({"status": "error", "detail": f"unknown op {op!r}"})
+
+
+def main(argv: list[str]) -> None:
+    # Ctrl-C goes to the whole process group; the parent decides what to do with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(int(argv[1]))
+    try:
+        _serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

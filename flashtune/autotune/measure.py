@@ -1,0 +1,193 @@
+"""Measuring one candidate: the correctness gate, then the house timing protocol.
+
+These functions run inside the tuner's worker subprocess (``_worker.py``) but import
+nothing of it, so each piece can be tested alone:
+
+- :func:`gate` checks the candidate against the fp32 reference under the 2x rule
+  (``flashtune.kernels.reference.compare``) on fresh random inputs drawn from the
+  trial's seed: O and the LSE for a forward config, dq, dk and dv for a backward one.
+- :class:`Bench` times a config with ``flashtune._bench.time_fn`` (do_bench median
+  with an L2 flush after warmup on CUDA; a host-clock loop under the interpreter,
+  labelled as such). A backward config is timed as the backward launcher alone, on a
+  forward output made once with the heuristic default.
+- :func:`classify` sorts an exception into "prune" (the candidate cannot compile or
+  does not fit: out of resources) or "error"; :func:`poisons_context` says whether the
+  CUDA context is unusable afterwards (illegal address and friends), in which case
+  the worker must be replaced.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from flashtune._bench import Timing, make_inputs, time_fn
+from flashtune._problem import Problem
+from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
+
+# The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
+# Above this many score elements it runs on a problem with fewer batches/heads: a tile
+# config's correctness does not depend on how many (batch, head) programs there are.
+GATE_MAX_SCORES = 1 << 28
+
+
+def gate_problem(p: Problem) -> Problem:
+    """``p``, or ``p`` with batch and then heads reduced so the reference stays small."""
+    per_bh = p.seqlen_q * p.seqlen_k
+    batch, hq, hk = p.batch, p.heads_q, p.heads_kv
+    while batch > 1 and batch * hq * per_bh > GATE_MAX_SCORES:
+        batch = max(1, batch // 2)
+    while hk > 1 and hk % 2 == 0 and batch * hq * per_bh > GATE_MAX_SCORES:
+        hk //= 2
+        hq //= 2
+    return replace(p, batch=batch, heads_q=hq, heads_kv=hk)
+
+
+def gate(problem: Problem, direction: str, config: FwdConfig | BwdConfig, *,
+         device: str, seed: int) -> Any:
+    """The correctness gate (2x rule against fp32) on fresh inputs seeded by ``seed``."""
+    from flashtune.kernels import reference
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return reference.compare(gate_problem(problem), direction, config, device=device,
+                             generator=gen)
+
+
+def classify(exc: BaseException) -> str:
+    """"prune" for compile errors and out-of-resources, "error" for anything else."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"CompilationError", "OutOfResources", "CompileTimeAssertionFailure"}:
+        return "prune"
+    text = str(exc)
+    if "out of resource" in text.lower() or "PTXAS error" in text or "ptxas" in text.lower():
+        return "prune"
+    return "error"
+
+
+def poisons_context(exc: BaseException) -> bool:
+    """True if ``exc`` leaves the CUDA context unusable (the worker must be replaced)."""
+    if not torch.cuda.is_available():
+        return False
+    text = str(exc)
+    return any(s in text for s in ("illegal memory access", "illegal instruction",
+                                   "unspecified launch failure", "misaligned address",
+                                   "CUDA error", "device-side assert"))
+
+
+class Bench:
+    """Timing inputs for one problem, made once, and launchers per config."""
+
+    def __init__(self, problem: Problem, device: str, seed: int = 0):
+        from flashtune.kernels.attn_fwd import attn_fwd, default_scale
+
+        self.problem = p = problem
+        self.device = device
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        q, k, v = (t.to(device) for t in make_inputs(p, "cpu", generator=gen))
+        self.q, self.k, self.v = q, k, v
+        self.kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
+                       softcap=p.softcap)
+        self._fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
+        self._attn_fwd = attn_fwd
+
+    def fn(self, direction: str, config: FwdConfig | BwdConfig) -> Callable[[], Any]:
+        """A zero-argument launch of ``config`` (the forward, or the backward launcher)."""
+        import flashtune.kernels.attn_bwd as bwd_mod
+        import flashtune.kernels.attn_fwd as fwd_mod
+
+        q, k, v, kw = self.q, self.k, self.v, self.kw
+        if direction == "fwd":
+            return lambda: fwd_mod.attn_fwd(q, k, v, config=config, **kw)
+        if self._fwd_out is None:
+            self._fwd_out = fwd_mod.attn_fwd(q, k, v, config=default_fwd(self.problem), **kw)
+        o, lse = self._fwd_out
+        do = self._do
+        return lambda: bwd_mod.attn_bwd(do, q, k, v, o, lse, config=config, **kw)
+
+    def time(self, direction: str, config: FwdConfig | BwdConfig, *, warmup_ms: float = 25,
+             rep_ms: float = 100, cpu_reps: int = 3) -> Timing:
+        return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                       cpu_reps=cpu_reps)
+
+
+@dataclass
+class Measurement:
+    """What one trial measured. ``status``: "ok", "gate" (wrong result), "prune" (cannot
+    compile / out of resources) or "error" (raised at run time)."""
+
+    status: str
+    median_ms: float = math.nan
+    p20_ms: float = math.nan
+    p80_ms: float = math.nan
+    max_error: float = math.nan
+    ratio: float = math.nan
+    detail: str = ""
+    compile_s: float = 0.0
+    gate_s: float = 0.0
+    time_s: float = 0.0
+    interpreter: bool = False
+    poisoned: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed: int,
+            warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3) -> Measurement:
+    """First launch (compile, or load from Triton's cache), the gate, then the timing."""
+    interp = bench.device == "cpu"
+    t0 = time.perf_counter()
+    try:
+        bench.fn(direction, config)()
+        _sync()
+        t1 = time.perf_counter()
+        cmp = gate(bench.problem, direction, config, device=bench.device, seed=seed)
+        t2 = time.perf_counter()
+        if not cmp.ok:
+            return Measurement("gate", max_error=cmp.max_error, ratio=cmp.ratio,
+                               detail=f"correctness gate failed: {cmp.detail}",
+                               compile_s=t1 - t0, gate_s=t2 - t1, interpreter=interp)
+        tm = bench.time(direction, config, warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_reps=cpu_reps)
+    except Exception as e:  # every failure of a candidate is data, never fatal
+        kind = classify(e)
+        return Measurement(kind, detail=f"{type(e).__name__}: {str(e)[:500]}",
+                           compile_s=time.perf_counter() - t0, interpreter=interp,
+                           poisoned=poisons_context(e))
+    t3 = time.perf_counter()
+    if not all(math.isfinite(x) and x > 0 for x in (tm.median_ms, tm.p20_ms, tm.p80_ms)):
+        return Measurement("error", detail=f"non-finite timing {tm}", interpreter=interp)
+    return Measurement("ok", tm.median_ms, tm.p20_ms, tm.p80_ms, cmp.max_error, cmp.ratio,
+                       cmp.detail, compile_s=t1 - t0, gate_s=t2 - t1, time_s=t3 - t2,
+                       interpreter=tm.interpreter)
+
+
+def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,
+           rounds: int = 5, warmup_ms: float = 25, rep_ms: float = 100,
+           cpu_reps: int = 3) -> list[Timing]:
+    """Time each config ``rounds`` times, interleaved (c0 c1 c2 c0 c1 c2 ...), so drift in
+    clocks or temperature hits every candidate alike. Returns the median over rounds."""
+    per: list[list[Timing]] = [[] for _ in configs]
+    for _ in range(max(rounds, 1)):
+        for i, c in enumerate(configs):
+            per[i].append(bench.time(direction, c, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                     cpu_reps=cpu_reps))
+    out = []
+    for ts in per:
+        meds = sorted(t.median_ms for t in ts)
+        mid = len(meds) // 2
+        med = meds[mid] if len(meds) % 2 else 0.5 * (meds[mid - 1] + meds[mid])
+        p20 = sorted(t.p20_ms for t in ts)[mid]
+        p80 = sorted(t.p80_ms for t in ts)[mid]
+        out.append(Timing(med, min(p20, med), max(p80, med), ts[0].interpreter))
+    return out

@@ -1,0 +1,134 @@
+"""Search spaces, as data.
+
+A :class:`SearchSpace` is built from a config dataclass's field metadata
+(:func:`flashtune.kernels.config.config_fields`): every field is a dimension and
+its ``choices`` are the values, so a knob added to ``FwdConfig`` or ``BwdConfig``
+joins the search with no change here. Each dimension maps to an Optuna
+``CategoricalDistribution``. :meth:`SearchSpace.restrict` narrows dimensions (a
+sub-grid for experiments, or a smaller space for online tuning); a restricted
+space gets its own :attr:`signature`, so its studies never mix with the full one's.
+
+Feasibility is the kernels' own rule (:func:`flashtune.kernels.config.check`):
+:meth:`SearchSpace.feasible` returns the rejection reason, so the tuner can
+record it on the trial without compiling anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flashtune._problem import Problem
+from flashtune.kernels.config import (
+    CONFIG_TYPES,
+    DEFAULT_SMEM_BYTES,
+    BwdConfig,
+    FwdConfig,
+    config_fields,
+    is_feasible,
+)
+
+Config = FwdConfig | BwdConfig
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values each config field may take for one direction (``"fwd"`` or ``"bwd"``)."""
+
+    direction: str
+    choices: tuple[tuple[str, tuple[Any, ...]], ...]
+
+    @classmethod
+    def full(cls, direction: str) -> SearchSpace:
+        """Every field of the direction's config type, with all its declared choices."""
+        if direction not in CONFIG_TYPES:
+            raise ValueError(f"direction must be one of {sorted(CONFIG_TYPES)}, got {direction!r}")
+        return cls(direction, tuple(config_fields(CONFIG_TYPES[direction]).items()))
+
+    @property
+    def fields(self) -> dict[str, tuple[Any, ...]]:
+        return dict(self.choices)
+
+    def restrict(self, **fields: Any) -> SearchSpace:
+        """A narrower space: ``restrict(block_m=(64, 128), maxnreg=0)``; a scalar fixes a field.
+
+        Every value must be one of the field's declared choices.
+        """
+        full = config_fields(CONFIG_TYPES[self.direction])
+        out = self.fields
+        for name, vals in fields.items():
+            if name not in full:
+                raise ValueError(f"unknown {self.direction} config field {name!r}; "
+                                 f"known: {sorted(full)}")
+            vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+            bad = [v for v in vals if v not in full[name]]
+            if bad or not vals:
+                raise ValueError(f"{self.direction} field {name!r}: values {bad or vals} are "
+                                 f"not among its choices {full[name]}")
+            out[name] = tuple(dict.fromkeys(vals))
+        return SearchSpace(self.direction, tuple(out.items()))
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for _, vals in self.choices:
+            n *= len(vals)
+        return n
+
+    @property
+    def is_full(self) -> bool:
+        return self == SearchSpace.full(self.direction)
+
+    @property
+    def signature(self) -> str:
+        """A short id of the exact space ("full" for the declared one)."""
+        if self.is_full:
+            return "full"
+        blob = json.dumps([self.direction, [[n, list(v)] for n, v in self.choices]])
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+    def distributions(self) -> dict[str, Any]:
+        """``{field: optuna.distributions.CategoricalDistribution}``."""
+        from optuna.distributions import CategoricalDistribution
+
+        return {name: CategoricalDistribution(list(vals)) for name, vals in self.choices}
+
+    def suggest(self, trial: Any) -> Config:
+        """Ask an Optuna trial for one value per field; returns the config."""
+        params = {name: trial.suggest_categorical(name, list(vals))
+                  for name, vals in self.choices}
+        return self.config(params)
+
+    def config(self, params: Mapping[str, Any]) -> Config:
+        cls = CONFIG_TYPES[self.direction]
+        return cls(**{n: params[n] for n, _ in self.choices})  # type: ignore[no-any-return]
+
+    def contains(self, params: Mapping[str, Any]) -> bool:
+        return all(params.get(n) in vals for n, vals in self.choices)
+
+    def project(self, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``params`` as a point of this space (missing fields take the config's defaults),
+        or None if some value lies outside it."""
+        cls = CONFIG_TYPES[self.direction]
+        full = {**{n: getattr(cls(), n) for n, _ in self.choices}, **dict(params)}
+        point = {n: full[n] for n, _ in self.choices}
+        return point if self.contains(point) else None
+
+    def feasible(self, cfg: Config, problem: Problem,
+                 smem_bytes: int = DEFAULT_SMEM_BYTES) -> tuple[bool, str]:
+        """(True, "") or (False, the kernels' reason for rejecting ``cfg``)."""
+        return is_feasible(cfg, problem, smem_bytes)
+
+    def grid(self) -> Iterator[dict[str, Any]]:
+        """Every point of the space, in a fixed order."""
+        names = [n for n, _ in self.choices]
+        for vals in itertools.product(*(v for _, v in self.choices)):
+            yield dict(zip(names, vals, strict=True))
+
+    def feasible_grid(self, problem: Problem,
+                      smem_bytes: int = DEFAULT_SMEM_BYTES) -> list[dict[str, Any]]:
+        return [p for p in self.grid() if is_feasible(self.config(p), problem, smem_bytes)[0]]
