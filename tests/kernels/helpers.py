@@ -1,0 +1,95 @@
+"""Shared helpers for the kernel tests: run a case and judge it by the 2x rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import torch
+
+from flashtune._problem import Problem
+from flashtune.kernels.attention import flash_attention
+from flashtune.kernels.config import (
+    BwdConfig,
+    FwdConfig,
+    config_fields,
+    default_bwd,
+    default_fwd,
+    is_feasible,
+)
+from flashtune.kernels.reference import reference_errors, within_rule
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_qkv(p: Problem, device: str, layout: str = "bhsd", gen: torch.Generator | None = None,
+             ) -> tuple[torch.Tensor, ...]:
+    """q, k, v, do for ``p``. layout "bshd" builds flash-attn style (B, S, H, D) storage and
+    passes transposed views (non-contiguous); "dpad" pads the last dim so rows are strided."""
+    dt = DTYPES[p.dtype]
+
+    def one(h: int, s: int) -> torch.Tensor:
+        if layout == "bshd":
+            x = torch.randn(p.batch, s, h, p.head_dim, generator=gen).to(device, dt)
+            return x.transpose(1, 2)
+        if layout == "dpad":
+            x = torch.randn(p.batch, h, s, p.head_dim + 8, generator=gen).to(device, dt)
+            return x[..., 4:4 + p.head_dim]
+        return torch.randn(p.batch, h, s, p.head_dim, generator=gen).to(device, dt)
+
+    return (one(p.heads_q, p.seqlen_q), one(p.heads_kv, p.seqlen_k),
+            one(p.heads_kv, p.seqlen_k), one(p.heads_q, p.seqlen_q))
+
+
+def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64,
+                  max_stages: int = 3) -> FwdConfig | BwdConfig:
+    """A random *feasible* config of ``cls`` for ``p`` (blocks capped to keep the interpreter
+    quick; on the GPU pass larger caps)."""
+    space = config_fields(cls)
+    for _ in range(1000):
+        kw = {}
+        for name, choices in space.items():
+            allowed = [c for c in choices
+                       if not (("block" in name and c > max_block)
+                               or ("stages" in name and c > max_stages))]
+            kw[name] = rng.choice(allowed)
+        cfg = cls(**kw)
+        if is_feasible(cfg, p)[0]:
+            return cfg
+    raise AssertionError(f"no feasible {cls.__name__} found for {p}")
+
+
+def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
+               bwd: BwdConfig | None = None, layout: str = "bhsd", backward: bool = True,
+               gen: torch.Generator | None = None) -> dict[str, float]:
+    """Run flash_attention (+ backward) and assert the 2x rule on out, lse, dq, dk, dv."""
+    fwd = fwd or default_fwd(p)
+    bwd = bwd or default_bwd(p)
+    q, k, v, do = make_qkv(p, device, layout, gen)
+    if layout == "bshd":
+        assert not k.is_contiguous() or min(k.shape[1], k.shape[2]) == 1
+        q_ptr = q.data_ptr()
+    qg, kg, vg = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    if layout == "bshd":
+        assert qg.data_ptr() == q_ptr  # the view itself reaches the kernel, uncopied
+    out, lse = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
+                               softcap=p.softcap, return_lse=True, config=(fwd, bwd))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (p.batch, p.heads_q, p.seqlen_q) and lse.dtype == torch.float32
+    grads = None
+    if backward:
+        grads = torch.autograd.grad(out, (qg, kg, vg), do)
+        for g, t in zip(grads, (q, k, v), strict=True):
+            assert g.shape == t.shape and g.dtype == t.dtype
+    errs, terrs = reference_errors(q, k, v, do if backward else None, out, lse, grads,
+                                   causal=p.causal, softmax_scale=None, window_size=p.window,
+                                   softcap=p.softcap)
+    ok, ratio, detail = within_rule(errs, terrs)
+    assert ok, f"{p} fwd={fwd} bwd={bwd} layout={layout}: {detail} (all: {errs})"
+    assert all(math.isfinite(e) for e in errs.values())
+    return errs
+
+
+def replace(cfg, **kw):  # type: ignore[no-untyped-def]
+    return dataclasses.replace(cfg, **kw)

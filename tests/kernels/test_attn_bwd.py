@@ -1,0 +1,113 @@
+"""Backward kernels (delta, dK/dV, dQ) vs the fp32 reference, GQA group sums, determinism."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flashtune._problem import Problem
+from flashtune.kernels.attention import flash_attention
+from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd
+
+from .helpers import check_case, make_qkv, random_config
+
+# (B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, layout)
+CASES = [
+    (1, 2, 2, 1, 33, 32, "fp16", True, (-1, -1), 0.0, "bhsd"),
+    (2, 4, 1, 17, 45, 32, "bf16", False, (-1, -1), 0.0, "bshd"),     # GQA 4:1
+    (1, 4, 1, 97, 130, 80, "fp16", True, (-1, -1), 0.0, "bhsd"),     # MQA, Sq < Sk
+    (1, 2, 1, 130, 97, 32, "bf16", True, (-1, -1), 0.0, "bshd"),     # empty rows
+    (1, 2, 2, 97, 61, 128, "fp16", False, (16, 8), 0.0, "dpad"),     # window
+    (1, 2, 2, 130, 130, 32, "bf16", True, (24, -1), 0.0, "bhsd"),    # causal + window
+    (1, 4, 2, 17, 130, 80, "fp16", False, (-1, -1), 30.0, "bshd"),   # softcap, GQA 2:1
+    (1, 2, 2, 61, 61, 128, "bf16", True, (-1, -1), 5.0, "bhsd"),     # softcap + causal
+]
+
+
+def _ids(c: tuple) -> str:
+    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = c
+    return (f"b{b}h{hq}k{hk}-sq{sq}sk{sk}-d{d}-{dt}-{'c' if causal else 'n'}"
+            f"-w{win[0]}_{win[1]}-cap{cap:g}-{layout}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_backward_matches_reference(case: tuple, device: str, seed: int) -> None:
+    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
+    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    configs = [default_bwd(p)] + [random_config(BwdConfig, p, rng) for _ in range(2)]
+    for cfg in configs:
+        fwd = random_config(FwdConfig, p, rng)
+        check_case(p, device, fwd=fwd, bwd=cfg, layout=layout, backward=True, gen=gen)
+
+
+def _grads(p: Problem, device: str, cfg: BwdConfig, seed: int) -> tuple[torch.Tensor, ...]:
+    q, k, v, do = make_qkv(p, device, "bhsd", torch.Generator().manual_seed(seed))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = flash_attention(q, k, v, causal=p.causal, config=cfg)
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_backward_bit_identical_across_runs(gqa: int, device: str, seed: int) -> None:
+    p = Problem(1, 4, 4 // gqa, 70, 90, 32, "bf16", True)
+    cfg = BwdConfig(dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16)
+    a = _grads(p, device, cfg, seed)
+    b = _grads(p, device, cfg, seed)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_gqa_dk_dv_are_group_sums(device: str, seed: int) -> None:
+    """dk/dv of a GQA call equal the sums over the group of the expanded (MHA) call."""
+    p = Problem(1, 4, 2, 33, 47, 32, "fp16", False)
+    q, k, v, do = make_qkv(p, device, "bhsd", torch.Generator().manual_seed(seed))
+    cfg = BwdConfig(dkdv_block_m=16, dkdv_block_n=16, dq_block_m=16, dq_block_n=16)
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(qa, ka, va, config=cfg)
+    dq, dk, dv = torch.autograd.grad(o, (qa, ka, va), do)
+    ke = k.repeat_interleave(2, dim=1).requires_grad_()
+    ve = v.repeat_interleave(2, dim=1).requires_grad_()
+    qe = q.clone().requires_grad_()
+    oe = flash_attention(qe, ke, ve, config=cfg)
+    dqe, dke, dve = torch.autograd.grad(oe, (qe, ke, ve), do)
+    assert torch.equal(o, oe) and torch.equal(dq, dqe)
+    sum_k = dke.float().view(1, 2, 2, 47, 32).sum(2)
+    sum_v = dve.float().view(1, 2, 2, 47, 32).sum(2)
+    torch.testing.assert_close(dk.float(), sum_k, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(dv.float(), sum_v, atol=2e-3, rtol=2e-3)
+
+
+GPU_CASES = [
+    (1, 16, 16, 16384, 16384, 128, "bf16", True, (-1, -1), 0.0, "bhsd"),
+    (1, 8, 2, 8192, 8192, 64, "bf16", False, (-1, -1), 0.0, "bshd"),
+    (1, 8, 8, 4096, 4096, 256, "fp16", True, (-1, -1), 0.0, "bhsd"),
+    (2, 16, 4, 4000, 3001, 128, "bf16", True, (512, -1), 0.0, "bshd"),
+    (1, 8, 8, 2049, 8191, 64, "bf16", False, (-1, -1), 50.0, "bhsd"),
+    (1, 4, 4, 1000, 1000, 80, "fp16", True, (128, 0), 0.0, "dpad"),
+    (1, 4, 4, 3000, 3000, 192, "bf16", False, (-1, -1), 0.0, "bhsd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+def test_backward_gpu_realistic(case: tuple, seed: int) -> None:
+    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
+    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for cfg in [default_bwd(p), random_config(BwdConfig, p, rng, max_block=128, max_stages=4)]:
+        check_case(p, "cuda", bwd=cfg, layout=layout, backward=True, gen=gen)
+
+
+@pytest.mark.gpu
+def test_backward_bit_identical_gpu_large(seed: int) -> None:
+    p = Problem(2, 16, 4, 4096, 4096, 128, "bf16", True)
+    cfg = default_bwd(p)
+    a = _grads(p, "cuda", cfg, seed)
+    b = _grads(p, "cuda", cfg, seed)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
