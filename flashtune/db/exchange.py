@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from importlib import resources
@@ -65,11 +66,15 @@ _KEY_FIELDS = tuple(f.name for f in fields(ProblemKey) if f.name != "direction")
 _EXAMPLE_FIELDS = tuple(f.name for f in fields(Problem))
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_]{1,40}")
+
+
 class _Bad(Exception):
     """A field failed validation: ``field`` is its dotted path, ``what`` the reason."""
 
     def __init__(self, field: str, what: str) -> None:
-        super().__init__(f"field {field}: {what}")
+        text = f"field {field}: {what}" if field else what
+        super().__init__(" ".join(text.split()))  # always one line
 
 
 def _show(v: Any) -> str:
@@ -93,7 +98,8 @@ def _obj(d: Any, name: str, known: tuple[str, ...] | frozenset[str],
         raise _Bad(name, f"expected an object, got {_show(d)}")
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise _Bad(f"{name}.{unknown[0]}" if name else unknown[0],
+        field = unknown[0] if _PLAIN.fullmatch(unknown[0]) else _show(unknown[0])
+        raise _Bad(f"{name}.{field}" if name else field,
                    f"unknown field; allowed: {', '.join(sorted(known))}")
     missing = [k for k in sorted(required) if k not in d]
     if missing:
@@ -299,7 +305,10 @@ def validate_export(data: bytes) -> list[Entry]:
     except RecursionError:
         raise ImportValidationError("not valid JSON: nested too deeply") from None
     except ValueError as e:
-        raise ImportValidationError(f"not valid JSON: {str(e).splitlines()[0]}") from None
+        what = str(e).splitlines()[0] if str(e) else "unreadable"
+        if what.startswith("Exceeds the limit"):
+            what = "a number has too many digits"
+        raise ImportValidationError(f"not valid JSON: {what}") from None
     try:
         doc = _obj(doc, "", ("format", "format_version", "entries"),
                    ("format", "format_version", "entries"))
