@@ -1,0 +1,1 @@
+"""Integrations with model libraries (each loads its library only when registered)."""
