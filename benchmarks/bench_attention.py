@@ -1,0 +1,142 @@
+"""Side-by-side attention benchmark under the house protocol (DESIGN.md).
+
+For every shape of the standard matrix (or a subset): training forward, backward
+((fwd+bwd) - fwd) and inference forward of flashtune (heuristic default config, and
+the dispatcher's choice with --tuned) against SDPA's cuDNN, FA2 and efficient backends
+and compiled FlexAttention, all timed in the same process. Prints a table of TFLOP/s
+and flashtune/anchor ratios; writes full JSON with GPU, versions and date.
+
+    python benchmarks/bench_attention.py --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from flashtune._bench import anchors, geomean, standard_matrix, three_timings
+from flashtune._problem import Problem
+from flashtune.kernels.attention import flash_attention
+from flashtune.kernels.config import default_bwd, default_fwd
+
+
+def _label(p: Problem) -> str:
+    g = f" gqa{p.heads_q}/{p.heads_kv}" if p.heads_q != p.heads_kv else ""
+    return f"d{p.head_dim} {'causal' if p.causal else 'full'} S={p.seqlen_q} B={p.batch}{g}"
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    env: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: float,
+                  ) -> dict[str, Any]:
+    fcfg, bcfg = default_fwd(p), default_bwd(p)
+    fns: dict[str, Any] = {
+        "default": lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
+                                                   config=(fcfg, bcfg)),
+    }
+    if "tuned" in impls:
+        import flashtune
+
+        fns["tuned"] = lambda q, k, v: flashtune.flash_attention(q, k, v, causal=p.causal)
+    for name, fn in anchors(p).items():
+        if name in impls and (name != "flex" or flex):
+            fns[name] = fn
+    row: dict[str, Any] = {"problem": p.as_dict(), "label": _label(p),
+                           "flops": {"fwd": p.flops("fwd"), "bwd": p.flops("bwd")}, "impls": {}}
+    for name, fn in fns.items():
+        try:
+            t = three_timings(fn, p, "cuda", warmup_ms=warmup, rep_ms=rep)
+            row["impls"][name] = {
+                "fwd_tflops": t["fwd"].tflops(p.flops("fwd")),
+                "bwd_tflops": t["bwd"].tflops(p.flops("bwd")),
+                "infer_tflops": t["infer"].tflops(p.flops("fwd")),
+                **{f"{k}_ms": v.median_ms for k, v in t.items()},
+            }
+        except Exception as e:  # an anchor that does not support this shape is reported
+            row["impls"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            traceback.print_exc(limit=1, file=sys.stderr)
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--impls", default="default,cudnn,fa2,efficient,flex",
+                    help="comma list among default,tuned,cudnn,fa2,efficient,flex")
+    ap.add_argument("--flex-seqlens", default="1024,4096,16384",
+                    help="FlexAttention compiles per shape: time it only at these S")
+    ap.add_argument("--seqlens", default="", help="restrict the matrix to these S")
+    ap.add_argument("--warmup", type=float, default=25.0)
+    ap.add_argument("--rep", type=float, default=100.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU (interpreter timings are not performance)")
+    impls = args.impls.split(",")
+    flex_s = {int(s) for s in args.flex_seqlens.split(",") if s}
+    only = {int(s) for s in args.seqlens.split(",") if s}
+    rows = []
+    for p in standard_matrix():
+        if only and p.seqlen_q not in only:
+            continue
+        row = bench_problem(p, impls, p.seqlen_q in flex_s, args.warmup, args.rep)
+        rows.append(row)
+        print(json.dumps({"label": row["label"], **{k: {m: round(x, 1) for m, x in v.items()
+                                                         if m.endswith("tflops")}
+                                                     for k, v in row["impls"].items()}}),
+              flush=True)
+    doc = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print_table(doc)
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    rows = doc["rows"]
+    names = [n for n in ("tuned", "default", "cudnn", "fa2", "efficient", "flex")
+             if any(n in r["impls"] for r in rows)]
+    me = "tuned" if "tuned" in names else "default"
+    print(f"\n{doc['environment']}")
+    for kind in ("fwd", "bwd", "infer"):
+        print(f"\n## {kind} TFLOP/s (ratio = {me} / anchor)")
+        print("| shape | " + " | ".join(names) + " | " +
+              " | ".join(f"{me}/{n}" for n in names if n != me) + " |")
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        for r in rows:
+            vals = {n: r["impls"].get(n, {}).get(f"{kind}_tflops") for n in names}
+            cells = [f"{vals[n]:.0f}" if vals[n] else "-" for n in names]
+            rcells = []
+            for n in names:
+                if n == me:
+                    continue
+                if vals[n] and vals[me]:
+                    ratios[n].append(vals[me] / vals[n])
+                    rcells.append(f"{vals[me] / vals[n]:.2f}")
+                else:
+                    rcells.append("-")
+            print(f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(rcells) + " |")
+        print("| geomean ratio | " + " | ".join("" for _ in names) + " | " +
+              " | ".join(f"{geomean(ratios[n]):.2f}" for n in names if n != me) + " |")
+
+
+if __name__ == "__main__":
+    main()
