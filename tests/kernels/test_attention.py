@@ -172,10 +172,12 @@ def test_cuda_graph_capture_replay_fwd_bwd(seed: int) -> None:
         o = flash_attention(q, k, v, causal=True, config=cfg)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    ref = [t.clone() for t in step()]
+    # Everything before capture runs on a side stream, as CUDA-graph capture requires (the
+    # leaves' gradient-accumulator nodes are bound to the stream of their first use).
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
+        ref = [t.clone() for t in step()]
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(s)
