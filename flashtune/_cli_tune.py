@@ -1,7 +1,111 @@
-"""`autotune` commands: tune family."""
+"""`autotune` commands: tune family.
+
+``autotune tune`` tunes one problem (forward, backward or both) and writes the
+winners to the tuning database. Progress goes to stderr, one line per trial; the
+summary (or ``--json``) goes to stdout. Re-running the same command resumes the
+stored study.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from typing import Any
+
 import click
 
+from flashtune._cli_db import _clean_errors, db_option
+
 COMMANDS: list[click.Command] = []
+
+
+def _progress(ev: dict[str, Any]) -> None:
+    kind = ev.get("event")
+    if kind == "trial":
+        val = ev.get("value_ms")
+        shown = f"{val:.4g} ms" if isinstance(val, float) and math.isfinite(val) else "-"
+        best = ev["best_ms"]
+        best_s = f"{best:.4g} ms" if math.isfinite(best) else "-"
+        detail = f"  {ev['detail'][:120]}" if ev.get("status") != "ok" else ""
+        click.echo(f"[{ev['direction']}] trial {ev['number']:>4} {ev['status']:<7} {shown:>12} "
+                   f"best {best_s:>12}  {ev['measured']}/{ev['budget'] or '-'}  "
+                   f"{ev['elapsed_s']:.0f}s{detail}", err=True)
+    elif kind == "retime":
+        click.echo(f"[{ev['direction']}] re-timing the top {len(ev['configs'])}", err=True)
+
+
+@click.command("tune")
+@click.option("--interpret", is_flag=True,
+              help="Run under Triton's CPU interpreter (for tests; timings are not GPU timings).")
+@db_option
+@click.option("--batch", type=int, required=True)
+@click.option("--heads", type=int, required=True, help="Query heads.")
+@click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: --heads).")
+@click.option("--seqlen", type=int, required=True, help="Query length.")
+@click.option("--seqlen-k", type=int, default=None, help="Key length (default: --seqlen).")
+@click.option("--head-dim", type=int, required=True)
+@click.option("--dtype", type=click.Choice(["fp16", "bf16"]), default="bf16", show_default=True)
+@click.option("--causal", is_flag=True)
+@click.option("--window", type=(int, int), default=(-1, -1), metavar="LEFT RIGHT",
+              help="Sliding window (-1 = unbounded).")
+@click.option("--softcap", type=float, default=0.0)
+@click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]), default="both",
+              show_default=True)
+@click.option("--trials", type=click.IntRange(min=1), default=None,
+              help="Candidates to measure per direction (a resumed study's count included).")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="S", help="Seconds per direction.")
+@click.option("--patience", type=click.IntRange(min=1), default=None,
+              help="Stop after this many trials without improvement.")
+@click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="S", help="Seconds one candidate may take before its worker is killed.")
+@click.option("--compile-workers", type=click.IntRange(min=0), default=None,
+              help="Processes compiling upcoming candidates (GPU only).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", is_flag=True, help="No per-trial progress on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_heads: int | None,
+             seqlen: int, seqlen_k: int | None, head_dim: int, dtype: str, causal: bool,
+             window: tuple[int, int], softcap: float, direction: str, trials: int | None,
+             time_budget: float | None, patience: int | None, trial_timeout: float | None,
+             compile_workers: int | None, seed: int, quiet: bool, as_json: bool) -> None:
+    """Tune one attention problem and store the fastest correct config(s)."""
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from flashtune._problem import Problem
+    from flashtune.autotune import tune
+    from flashtune.kernels.config import config_to_dict
+
+    try:
+        problem = Problem(batch=batch, heads_q=heads, heads_kv=kv_heads or heads,
+                          seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
+                          dtype=dtype, causal=causal, window=window, softcap=softcap)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    with _clean_errors():
+        res = tune(problem, direction, trials=trials, time_budget=time_budget,
+                   storage=db_url, interpret=interpret or None, patience=patience,
+                   trial_timeout=trial_timeout, compile_workers=compile_workers, seed=seed,
+                   progress=None if quiet else _progress)
+    results = res if isinstance(res, dict) else {direction: res}
+    if as_json:
+        click.echo(json.dumps({d: r.as_dict() for d, r in results.items()}, indent=2,
+                              sort_keys=True, default=str))
+        return
+    for d, r in results.items():
+        label = " (interpreter timings)" if r.interpreter else ""
+        dflt = (f", {r.speedup_over_default:.2f}x over the default"
+                if r.default_ms else "")
+        click.echo(f"{d}: {r.key.short()} on {r.device}{label}")
+        click.echo(f"  config   {json.dumps(config_to_dict(r.config), sort_keys=True)}")
+        click.echo(f"  time     {r.median_ms:.4g} ms (p20 {r.p20_ms:.4g}, p80 {r.p80_ms:.4g}), "
+                   f"{r.tflops:.3g} TFLOP/s{dflt}")
+        click.echo(f"  trials   {r.trials} measured ({r.complete} ok, {r.failed} failed, "
+                   f"{r.pruned} pruned), {r.infeasible} infeasible; stopped: {r.stop_reason}; "
+                   f"{r.search_seconds:.1f} s")
+        click.echo(f"  stored   {'yes' if r.stored else 'no (a faster result was kept)'} in "
+                   f"{r.storage_url}; study {r.study_name}")
+
+
+COMMANDS.append(tune_cmd)

@@ -203,7 +203,9 @@ def _make_sampler(kind: str, space: SearchSpace, seed: int, n_startup: int,
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if kind == "grid":
-        return optuna.samplers.GridSampler({n: list(v) for n, v in space.choices}, seed=seed)
+        # Every point is enqueued by the tuner (Optuna's GridSampler stops the study from
+        # inside tell(), which only works under study.optimize).
+        return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
 
 
@@ -307,6 +309,10 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                                             space):
             study.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
+
+    if sampler == "grid":
+        for params in space.grid():
+            study.enqueue_trial(params, user_attrs={"seed_source": "grid"}, skip_if_exists=True)
 
     # Tallies over the whole study (resume continues from stored trials).
     done: dict[tuple[Any, ...], Any] = {}
@@ -455,15 +461,16 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                     break
             if not pending:
                 break
-            trial, params, fut = pending.popleft()
-            run_one(trial, params, fut)
+            run_one(*pending[0])
+            pending.popleft()
     finally:
-        # Interrupted (or stopped with candidates queued): those trials never ran.
+        # Interrupted (or stopped with candidates queued): those trials did not finish.
         for trial, _, fut in pending:
             if fut is not None:
                 fut.cancel()
-            trial.set_user_attr("cancelled", True)
-            study.tell(trial, state=TrialState.FAIL)
+            with contextlib.suppress(Exception):  # it may have been told already
+                trial.set_user_attr("cancelled", True)
+                study.tell(trial, state=TrialState.FAIL)
         pending.clear()
         study.set_user_attr("search_seconds", prior_seconds + time.perf_counter() - t_start)
 

@@ -1,0 +1,65 @@
+"""The search space is the config dataclasses' metadata, as data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from optuna.distributions import CategoricalDistribution
+
+from flashtune._problem import Problem
+from flashtune.autotune import SearchSpace
+from flashtune.autotune.tuner import study_name
+from flashtune.kernels.config import BwdConfig, FwdConfig, config_fields, default_config
+
+P = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32, dtype="fp16")
+
+
+@pytest.mark.parametrize("direction,cls", [("fwd", FwdConfig), ("bwd", BwdConfig)])
+def test_space_has_every_config_field(direction: str, cls: type) -> None:
+    space = SearchSpace.full(direction)
+    assert [n for n, _ in space.choices] == [f.name for f in dataclasses.fields(cls)]
+    dists = space.distributions()
+    for name, vals in config_fields(cls).items():
+        assert isinstance(dists[name], CategoricalDistribution)
+        assert tuple(dists[name].choices) == vals
+    assert space.is_full and space.signature == "full"
+
+
+def test_restrict_validates_and_changes_signature() -> None:
+    full = SearchSpace.full("fwd")
+    sub = full.restrict(block_m=(32, 64), num_warps=4)
+    assert sub.fields["block_m"] == (32, 64) and sub.fields["num_warps"] == (4,)
+    assert sub.size == 2 * 5 * 1 * 6 * 6
+    assert not sub.is_full and sub.signature != "full"
+    with pytest.raises(ValueError, match="block_m"):
+        full.restrict(block_m=(48,))
+    with pytest.raises(ValueError, match="unknown"):
+        full.restrict(nonsense=1)
+
+
+def test_project_and_defaults() -> None:
+    sub = SearchSpace.full("fwd").restrict(num_stages=(2, 3))
+    d = dataclasses.asdict(default_config("fwd", P))
+    assert sub.project(d) == d  # the default uses 3 stages
+    assert sub.project({**d, "num_stages": 5}) is None
+    assert sub.project({"block_m": 32})["block_n"] == FwdConfig().block_n
+
+
+def test_feasibility_rejects_with_reason() -> None:
+    space = SearchSpace.full("fwd")
+    ok, reason = space.feasible(FwdConfig(block_m=16, num_warps=16), P)
+    assert not ok and "16 warps" in reason
+    ok, reason = space.feasible(FwdConfig(block_m=256, block_n=256, num_warps=1, num_stages=6),
+                                Problem(1, 1, 1, 64, 64, 256))
+    assert not ok and reason
+    feasible = space.feasible_grid(P)
+    assert 0 < len(feasible) < space.size
+
+
+def test_study_name_distinguishes_spaces_and_problems() -> None:
+    full, sub = SearchSpace.full("fwd"), SearchSpace.full("fwd").restrict(block_m=64)
+    a = study_name("dev", "sw", P, "fwd", full, "tpe")
+    assert a != study_name("dev", "sw", P, "fwd", sub, "tpe")
+    assert a != study_name("dev", "sw", dataclasses.replace(P, causal=True), "fwd", full, "tpe")
+    assert a != study_name("dev", "sw", P, "fwd", full, "grid")

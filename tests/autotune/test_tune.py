@@ -1,0 +1,110 @@
+"""End-to-end tuning under Triton's interpreter, with the real worker subprocesses.
+
+Problems are tiny (B=1, H=2, S<=64, D=32) and budgets a handful of trials: the
+interpreter spends 0.3-2 s per launch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from flashtune._problem import Problem
+from flashtune.autotune import SearchSpace, TuneResult, tune
+from flashtune.autotune._faults import ENV, fault_env
+from flashtune.db import open_storage
+from flashtune.db.fingerprint import device_info, software_info
+from flashtune.kernels.config import config_from_dict, config_to_dict
+from flashtune.kernels.reference import compare
+
+TINY = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=32, seqlen_k=32, head_dim=32,
+               dtype="fp16")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> None:
+    db = tmp_path / "tuning.db"
+    problem = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=48, head_dim=32,
+                      dtype="fp16", causal=True)
+    events: list[dict] = []
+    res = tune(problem, "both", trials=3, storage=db, seed=seed, progress=events.append)
+    assert set(res) == {"fwd", "bwd"}
+    with open_storage(db) as st:
+        for d, r in res.items():
+            assert isinstance(r, TuneResult) and r.stored and r.interpreter
+            assert r.trials == 3 and r.complete >= 1 and r.device == "cpu-interpreter"
+            stored = st.get_result(device_info(), software_info(), problem.key(d))
+            assert stored is not None and stored.config == config_to_dict(r.config)
+            assert stored.median_ms == pytest.approx(r.median_ms)
+            # The stored config passes the gate again, on inputs it has never seen.
+            gen = torch.Generator().manual_seed(seed + 17)
+            cmp = compare(problem, d, config_from_dict(d, stored.config), device="cpu",
+                          generator=gen)
+            assert cmp.ok, cmp.detail
+    # The study is in the same database, readable by plain Optuna (and optuna-dashboard).
+    names = optuna.get_all_study_names(f"sqlite:///{db}")
+    assert sorted(n.split("/")[1] for n in names) == ["bwd", "fwd"]
+    assert {e["event"] for e in events} >= {"trial", "done"}
+
+
+def test_faults_fail_their_trials_and_never_get_stored(tmp_path, monkeypatch) -> None:
+    # A 6-point grid, searched exhaustively, with one misbehaving config per fault kind.
+    space = SearchSpace.full("fwd").restrict(block_m=(16, 32), block_n=(16, 32, 64),
+                                             num_warps=4, num_stages=3, maxnreg=0)
+    faults = {(16, 16): "corrupt", (16, 32): "exit", (16, 64): "hang", (32, 16): "segv"}
+    monkeypatch.setenv(ENV, fault_env(*(({"block_m": m, "block_n": n}, a)
+                                         for (m, n), a in faults.items()))[ENV])
+    db = tmp_path / "tuning.db"
+    timeout = 15.0
+    r = tune(TINY, "fwd", sampler="grid", space=space, storage=db, trial_timeout=timeout,
+             warm_start=False, retime_rounds=1)
+    assert r.trials == 6 and r.complete == 2 and r.failed == 4
+    assert r.worker_restarts == 3
+    assert (r.config.block_m, r.config.block_n) in {(32, 32), (32, 64)}
+    with open_storage(db) as st:
+        stored = st.get_result(device_info(), software_info(), TINY.key("fwd"))
+        assert stored is not None
+        assert (stored.config["block_m"], stored.config["block_n"]) not in faults
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    by_cfg = {(t.params["block_m"], t.params["block_n"]): t for t in study.trials}
+    expect = {"corrupt": "correctness gate failed", "exit": "exited with code 3",
+              "segv": "SIGSEGV", "hang": "trial timeout"}
+    for cfg, action in faults.items():
+        t = by_cfg[cfg]
+        assert t.state == TrialState.FAIL, (cfg, t.state)
+        assert expect[action] in t.user_attrs["error"], (action, t.user_attrs["error"])
+    hang = by_cfg[(16, 64)]
+    assert hang.user_attrs["wall_s"] < timeout + 10
+
+
+def test_infeasible_candidates_are_pruned_with_a_reason(tmp_path) -> None:
+    # Half of this space is infeasible (16 warps for a 16-row tile).
+    space = SearchSpace.full("fwd").restrict(block_m=16, block_n=(16, 32), num_warps=(16, 4),
+                                             num_stages=3, maxnreg=0)
+    db = tmp_path / "tuning.db"
+    r = tune(TINY, "fwd", sampler="grid", space=space, storage=db, warm_start=False,
+             retime_rounds=0, trials=2)
+    assert r.trials == 2 and r.infeasible == 2
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert len(pruned) == 2
+    assert all("16 warps" in t.user_attrs["pruned_reason"] for t in pruned)
+
+
+def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
+    db = tmp_path / "tuning.db"
+    t0 = time.perf_counter()
+    r1 = tune(TINY, "fwd", time_budget=0.5, storage=db, retime_rounds=0)
+    assert r1.trials == 1 and r1.stop_reason == "time budget"
+    assert time.perf_counter() - t0 < 60
+    r2 = tune(TINY, "fwd", trials=3, storage=db, retime_rounds=0)
+    assert r2.study_name == r1.study_name and r2.trials == 3
