@@ -196,8 +196,10 @@ def _warn_once(tag: str, message: str) -> None:
 
 def reload() -> None:
     """Forget every table, decision and once-per-process note (after the database changed,
-    or between tests). Pending misses are kept."""
+    or between tests), and zero :func:`stats`. Pending misses are kept."""
     with _lock:
+        for name in _stats:
+            _stats[name] = 0
         _fast.clear()
         _tables.clear()
         _warned.clear()

@@ -1,0 +1,327 @@
+"""The dispatcher: the ladder (tuned, nearest, default), misses, strict mode, online
+tuning, bad databases, the hot path's cost. Real SQLite files throughout, filled through
+the storage API; corrupt databases are real files too."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashtune
+from flashtune import dispatch
+from flashtune._problem import Problem
+from flashtune.db import device_info, open_storage, software_info
+from flashtune.db.fingerprint import SoftwareInfo
+from flashtune.exceptions import DispatchMissError
+from flashtune.kernels.config import (
+    BwdConfig,
+    FwdConfig,
+    config_to_dict,
+    default_bwd,
+    default_fwd,
+    is_feasible,
+)
+from flashtune.kernels.reference import attention_ref
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Configs no heuristic picks, so a test can tell where a config came from.
+FWD_A = FwdConfig(block_m=16, block_n=16, num_warps=2, num_stages=1)
+FWD_B = FwdConfig(block_m=32, block_n=16, num_warps=1, num_stages=2)
+BWD_A = BwdConfig(dkdv_block_m=16, dkdv_block_n=16, dkdv_warps=2, dkdv_stages=1,
+                  dq_block_m=16, dq_block_n=16, dq_warps=2, dq_stages=1, pre_block_m=16)
+
+
+def prob(**kw) -> Problem:
+    base = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32,
+                dtype="bf16", causal=True)
+    base.update(kw)
+    return Problem(**base)
+
+
+def qkv(p: Problem, device: str, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    dt = DTYPES[p.dtype]
+    q = torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, dtype=dt, device=device)
+    k = torch.randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, dtype=dt, device=device)
+    v = torch.randn_like(k)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def put(db: str | os.PathLike[str], p: Problem, direction: str, config, *,
+        median_ms: float = 1.0, software: SoftwareInfo | None = None) -> None:
+    """Store a tuned result for ``p`` on this process's device, as the tuner would."""
+    with open_storage(db) as st:
+        st.put_result(device_info(), software or software_info(), p.key(direction),
+                      config_to_dict(config), median_ms=median_ms, p20_ms=median_ms * 0.9,
+                      p80_ms=median_ms * 1.1, tflops=1.0, max_error=1e-3, trials=4,
+                      search_seconds=1.0, problem=p)
+
+
+def call(p: Problem, device: str, grad: bool = False, **kw) -> torch.Tensor:
+    q, k, v = qkv(p, device, grad)
+    window = tuple(p.window)
+    out = flashtune.flash_attention(q, k, v, causal=p.causal, window_size=window,
+                                    softcap=p.softcap, **kw)
+    ref, _ = attention_ref(q, k, v, causal=p.causal, window_size=window, softcap=p.softcap)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    if grad:
+        out.float().square().sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    return out
+
+
+def chosen(p: Problem, device: str, direction: str = "fwd"):
+    q, k, _ = qkv(p, device)
+    return dispatch.resolve(direction, q, k, p.causal, tuple(p.window), p.softcap)
+
+
+@pytest.fixture
+def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fresh, empty tuning database as FLASHTUNE_DB, and a dispatcher that forgot all."""
+    path = tmp_path / "tuning.db"
+    open_storage(path).close()
+    monkeypatch.setenv("FLASHTUNE_DB", str(path))
+    for name in ("FLASHTUNE_STRICT", "FLASHTUNE_TUNE_ON_MISS", "FLASHTUNE_DIST_SYNC"):
+        monkeypatch.delenv(name, raising=False)
+    dispatch.flush_misses(10)
+    dispatch.reload()
+    yield path
+    dispatch.flush_misses(10)
+    dispatch.reload()
+
+
+# ----------------------------------------------------------------------------- the ladder
+
+
+def test_exact_bucket_wins_for_both_directions(db, device, seed):
+    p = prob()
+    assert is_feasible(FWD_A, p)[0] and is_feasible(BWD_A, p)[0]
+    put(db, p, "fwd", FWD_A)
+    put(db, p, "bwd", BWD_A)
+    put(db, prob(seqlen_q=256, seqlen_k=256), "fwd", FWD_B)  # another bucket: not chosen
+    call(p, device, grad=True)
+    assert chosen(p, device, "fwd") == FWD_A
+    assert chosen(p, device, "bwd") == BWD_A
+    # Another shape in the same buckets (40 -> 64) is the same key: the same entry.
+    assert chosen(dataclasses.replace(p, seqlen_q=40, seqlen_k=40), device) == FWD_A
+    assert dispatch.stats()["table_loads"] == 1
+
+
+def test_nearest_bucket_of_the_same_family(db, device, seed):
+    p = prob(seqlen_q=32, seqlen_k=32)
+    put(db, prob(seqlen_q=64, seqlen_k=64), "fwd", FWD_A, median_ms=5.0)  # distance 2
+    put(db, prob(seqlen_q=256, seqlen_k=256), "fwd", FWD_B, median_ms=0.1)  # distance 6
+    # Exact buckets, but another family (head dim, dtype, mask): never served.
+    put(db, prob(seqlen_q=32, seqlen_k=32, head_dim=64), "fwd", FWD_B)
+    put(db, prob(seqlen_q=32, seqlen_k=32, dtype="fp16"), "fwd", FWD_B)
+    put(db, prob(seqlen_q=32, seqlen_k=32, causal=False), "fwd", FWD_B)
+    call(p, device)
+    assert chosen(p, device) == FWD_A
+
+
+def test_default_when_no_bucket_of_the_family(db, device, seed):
+    p = prob(seqlen_q=48, seqlen_k=48)
+    put(db, prob(head_dim=64), "fwd", FWD_A)
+    put(db, prob(causal=False), "bwd", BWD_A)
+    call(p, device, grad=True)
+    assert chosen(p, device, "fwd") == default_fwd(p)
+    assert chosen(p, device, "bwd") == default_bwd(p)
+
+
+def test_stale_results_are_never_served(db, device, seed):
+    p = prob()
+    sw = software_info()
+    put(db, p, "fwd", FWD_A, software=dataclasses.replace(sw, kernels_hash="0" * 64))
+    assert chosen(p, device) == default_fwd(p)
+
+
+def test_infeasible_and_corrupt_entries_are_skipped(db, device, seed, caplog):
+    p = prob()
+    # Fits every knob's choices, but its score tile needs ~2300 registers per thread.
+    bad = FwdConfig(block_m=256, block_n=256, num_warps=1, num_stages=1)
+    assert not is_feasible(bad, p)[0]
+    put(db, p, "fwd", bad)
+    other = prob(seqlen_q=128, seqlen_k=128)
+    put(db, other, "fwd", FWD_B)
+    put(db, prob(seqlen_q=256, seqlen_k=256), "fwd", FWD_A)
+    with sqlite3.connect(db) as con:  # a row whose config no flashtune can run
+        con.execute("UPDATE ft_results SET config_json = ? WHERE median_ms = 1.0 AND id IN "
+                    "(SELECT r.id FROM ft_results r JOIN ft_problems pr ON r.problem_id = pr.id "
+                    "WHERE pr.sq_bucket = 128)", ('{"block_m": 7}',))
+    with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
+        call(p, device)
+        assert chosen(p, device) == FWD_A  # the exact entry is infeasible, 128 is corrupt
+    assert any("skipping" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- misses
+
+
+def test_each_miss_logged_once_and_recorded(db, device, seed, caplog):
+    with caplog.at_level(logging.INFO, logger="flashtune.dispatch"):
+        for s in (24, 20, 24, 20, 24):  # two shapes of one key (bucket 32), five calls
+            call(prob(seqlen_q=s, seqlen_k=s), device)
+    lines = [r for r in caplog.records if "no tuned fwd config" in r.getMessage()]
+    assert len(lines) == 1
+    assert dispatch.flush_misses(30)
+    with open_storage(db, read_only=True) as st:
+        misses = st.misses()
+    key = prob(seqlen_q=24, seqlen_k=24).key("fwd")
+    assert [(k, c) for k, c, _ in misses] == [(key, 2)]  # one count per process and shape
+    assert misses[0][2].seqlen_q in (20, 24)
+
+
+def test_strict_mode_raises_on_a_miss(db, device, seed, monkeypatch):
+    monkeypatch.setenv("FLASHTUNE_STRICT", "1")
+    p = prob()
+    with pytest.raises(DispatchMissError, match="FLASHTUNE_STRICT=1.*fwd bf16 d32 causal"):
+        call(p, device)
+    put(db, p, "fwd", FWD_A)
+    dispatch.reload()
+    call(p, device)  # a tuned forward runs
+    q, k, v = qkv(p, device, grad=True)
+    out = flashtune.flash_attention(q, k, v, causal=True)
+    with pytest.raises(DispatchMissError, match="no tuned bwd config"):
+        out.sum().backward()  # the backward has no tuned entry
+
+
+def test_online_tuning_on_a_miss(db, device, seed, monkeypatch):
+    pytest.importorskip("optuna")
+    monkeypatch.setenv("FLASHTUNE_TUNE_ON_MISS", "1")
+    monkeypatch.setenv("FLASHTUNE_TUNE_TRIALS", "2")
+    p = prob(batch=1, seqlen_q=32, seqlen_k=32)
+    call(p, device)
+    call(dataclasses.replace(p, seqlen_q=30, seqlen_k=30), device)  # same key: no new tune
+    assert dispatch.stats()["tunes"] == 1
+    assert dispatch.explain(*qkv(p, device), causal=True).fwd.source == "tuned"
+    with open_storage(db, read_only=True) as st:  # written for the next run and for sweeps
+        assert st.get_result(device_info(), software_info(), p.key("fwd")) is not None
+
+
+# ----------------------------------------------------------------------------- bad databases
+
+
+def _locked(path: Path, monkeypatch: pytest.MonkeyPatch) -> sqlite3.Connection:
+    import flashtune.db.rdb as rdb
+
+    monkeypatch.setattr(rdb, "BUSY_TIMEOUT_S", 0.2)  # give up fast instead of after 30 s
+    open_storage(path).close()
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA locking_mode = EXCLUSIVE")
+    con.execute("BEGIN EXCLUSIVE")
+    con.execute("INSERT INTO ft_devices (fingerprint, name, capability, sm_count, memory_gb) "
+                "VALUES ('x', 'x', 'x', 0, 0)")
+    return con
+
+
+def _bad_database(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "bad.db"
+    if kind == "corrupt":
+        path.write_bytes(os.urandom(4096))
+    elif kind == "truncated":
+        open_storage(path).close()
+        path.write_bytes(path.read_bytes()[:1000])
+    elif kind == "missing":
+        path = tmp_path / "no" / "such.db"
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "other-schema":
+        open_storage(path).close()
+        with sqlite3.connect(path) as con:
+            con.execute("UPDATE flashtune_alembic_version SET version_num = 'ffff_from_future'")
+    elif kind == "not-ours":
+        with sqlite3.connect(path) as con:
+            con.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+    elif kind == "locked":
+        return path, _locked(path, monkeypatch)
+    return path, None
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncated", "missing", "directory", "other-schema",
+                                  "not-ours", "locked"])
+def test_bad_database_warns_once_and_training_goes_on(kind, tmp_path, monkeypatch, device, seed):
+    path, holder = _bad_database(kind, tmp_path, monkeypatch)
+    monkeypatch.setenv("FLASHTUNE_DB", str(path))
+    dispatch.reload()
+    torch.manual_seed(seed)
+    dt = torch.bfloat16
+    proj = torch.nn.Linear(32, 3 * 2 * 32, dtype=dt, device=device)  # q, k, v: 2 heads of 32
+    opt = torch.optim.SGD(proj.parameters(), lr=1e-2)
+    x = torch.randn(2, 24, 32, dtype=dt, device=device)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in (16, 24):  # two steps, two shapes: still one warning
+                q, k, v = proj(x[:, :s]).view(2, s, 3, 2, 32).permute(2, 0, 3, 1, 4)
+                out = flashtune.flash_attention(q, k, v, causal=True)
+                out.float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                assert torch.isfinite(out).all()
+        dispatch.flush_misses(10)
+    finally:
+        if holder is not None:
+            holder.close()
+        dispatch.reload()
+    ours = [w for w in caught if "tuning database" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "Training goes on" in str(ours[0].message)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def test_cache_hit_costs_at_most_2us(db, device):
+    p = prob()
+    q, k, _ = qkv(p, device)
+    dispatch.resolve("fwd", q, k, True, (-1, -1), 0.0)  # first sight
+    n, best = 20000, float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dispatch.resolve("fwd", q, k, True, (-1, -1), 0.0)
+        best = min(best, (time.perf_counter() - t0) / n)
+    assert best <= 2e-6, f"cache-hit lookup took {best * 1e6:.2f} us"
+
+
+def test_import_is_light_until_the_first_call(tmp_path):
+    code = (
+        "import sys, torch\n"
+        "import flashtune\n"
+        "assert 'sqlalchemy' not in sys.modules and 'triton' not in sys.modules\n"
+        "fa = flashtune.flash_attention\n"
+        "assert 'sqlalchemy' not in sys.modules and 'optuna' not in sys.modules\n"
+        "from flashtune.kernels.attention import get_config_resolver\n"
+        "from flashtune import dispatch\n"
+        "assert get_config_resolver() is dispatch.resolve\n"
+        "q = torch.randn(1, 1, 16, 32, dtype=torch.bfloat16); fa(q, q, q)\n"
+        "assert 'sqlalchemy' in sys.modules and 'optuna' not in sys.modules\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", FLASHTUNE_DB=str(tmp_path / "t.db"))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_kernels_flash_attention_works_without_the_dispatcher(db, device, seed):
+    from flashtune.kernels import attention
+
+    p = prob()
+    put(db, p, "fwd", FWD_A)
+    before = attention.get_config_resolver()
+    attention.set_config_resolver(None)
+    try:
+        q, k, v = qkv(p, device)
+        out = attention.flash_attention(q, k, v, causal=True)
+        ref, _ = attention_ref(q, k, v, causal=True)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        assert dispatch.stats()["first_sights"] == 0
+    finally:
+        attention.set_config_resolver(before)
