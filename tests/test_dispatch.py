@@ -84,8 +84,7 @@ def chosen(p: Problem, device: str, direction: str = "fwd"):
     return dispatch.resolve(direction, q, k, p.causal, tuple(p.window), p.softcap)
 
 
-@pytest.fixture
-def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def fresh_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A fresh, empty tuning database as FLASHTUNE_DB, and a dispatcher that forgot all."""
     path = tmp_path / "tuning.db"
     open_storage(path).close()
@@ -97,6 +96,11 @@ def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield path
     dispatch.flush_misses(10)
     dispatch.reload()
+
+
+@pytest.fixture
+def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    yield from fresh_db(tmp_path, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- the ladder
