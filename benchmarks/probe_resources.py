@@ -39,8 +39,9 @@ def _compile(job: tuple) -> dict:
         else:
             ck = _attn_bwd_dq_kernel.warmup(t, t, t, t, f, f, t, *t.stride() * 5, 2, 1024, 1024,
                                             0, 0, 0.1, 0.1, 0.0, 0.0, **common)
-        ck._init_handles() if hasattr(ck, "_init_handles") else None
-        rec.update(shared=ck.metadata.shared, regs=ck.n_regs, spills=ck.n_spills)
+        rec["shared"] = ck.metadata.shared
+        ck._init_handles()  # loads the binary: raises OutOfResources past the smem limit
+        rec.update(regs=ck.n_regs, spills=ck.n_spills)
     except Exception as e:  # record, do not stop the probe
         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return rec

@@ -286,7 +286,7 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                       sampler)
     url = storage.url if storage is not None else "sqlite://"
     if sampler == "grid" and trials is None:
-        trials = space.size
+        trials = len(space.feasible_grid(problem))
     if trials is None and time_budget is None:
         trials = 50
     lookahead = max(1, session.compile_workers) if session.compile_workers else 1
