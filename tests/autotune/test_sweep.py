@@ -170,7 +170,10 @@ def test_worker_processes_fill_one_sweep_with_the_tuner(db_url: str) -> None:
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     did = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    assert sum(d["done"] for d in did) == len(tasks) and sum(d["failed"] for d in did) == 0, (did, [(t.state, (t.note or "")[:300]) for t in Board(db_url).tasks(sid)])
+    with Board(db_url) as b:
+        notes = [(t.state, (t.note or "")[:300]) for t in b.tasks(sid)]
+    assert sum(d["done"] for d in did) == len(tasks), (did, notes)
+    assert sum(d["failed"] for d in did) == 0, (did, notes)
     with Board(db_url) as b:
         rows = b.tasks(sid)
         assert {t.state for t in rows} == {"done"}
