@@ -47,6 +47,7 @@ import pickle
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -298,20 +299,21 @@ def _load_table(device: DeviceInfo) -> _Table:
     try:
         from flashtune.db.exchange import shipped_results
 
-        for r in shipped_results(sw):
-            if not r.stale and r.device.fingerprint == device.fingerprint:
-                e = _parse(r, "shipped")
-                if e is not None:
-                    entries[r.key] = e
+        _index(entries, ((r, "shipped") for r in shipped_results(sw)
+                         if not r.stale and r.device.fingerprint == device.fingerprint))
     except Exception as e:  # the shipped layer is optional; never fatal
         _warn_once("shipped", f"flashtune: cannot read the shipped tuning data ({e}); "
                    "ignoring it")
     url, user, error = _read_user(device, sw)
-    for r in user.values():
-        e = _parse(r, "user")
-        if e is not None:
-            entries[r.key] = e
+    _index(entries, ((r, "user") for r in user.values()))  # over the shipped layer
     return _Table(device, entries, url, error)
+
+
+def _index(entries: dict[ProblemKey, _Entry], results: Iterable[tuple[Result, str]]) -> None:
+    for r, layer in results:
+        parsed = _parse(r, layer)
+        if parsed is not None:
+            entries[r.key] = parsed
 
 
 def _db_url() -> str | None:
@@ -406,11 +408,8 @@ def _sync_table(local: _Table) -> _Table:
         return local
     if d.rank == 0:
         return local
-    entries = {}
-    for r, layer in published:
-        e = _parse(r, layer)
-        if e is not None:
-            entries[r.key] = e
+    entries: dict[ProblemKey, _Entry] = {}
+    _index(entries, published)
     return _Table(local.device, entries, local.database, local.error)
 
 
