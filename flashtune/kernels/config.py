@@ -31,6 +31,8 @@ DEFAULT_SMEM_BYTES = 227 * 1024
 # Register file per thread before Triton spills: 255 is the hardware cap; leave headroom for
 # addresses and softmax state.
 _REG_BUDGET = 224
+# Registers a thread needs beyond its tiles' fp32 values (addresses, softmax state, loop state).
+_REG_OVERHEAD = 64
 
 
 def knob(default: Any, choices: tuple[Any, ...], doc: str) -> Any:
@@ -102,9 +104,24 @@ def padded_head_dim(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
-def _smem_fwd(c: FwdConfig, d: int, elt: int) -> int:
-    # Q tile stays resident; K and V tiles are multi-buffered num_stages deep.
-    return c.block_m * d * elt + max(c.num_stages - 1, 1) * 2 * c.block_n * d * elt
+# Shared-memory model, fitted to what Triton 3.6 allocated on an H200 for a 1,248-config
+# grid (benchmarks/probe_resources.py, data in benchmarks/data/probe_h200.jsonl). It never
+# under-predicts a config that ran out of shared memory there. Sizes in bytes, 2-byte
+# elements: a tile held for the whole program is counted once, a streamed tile once per
+# pipeline stage, and K/V (or Q/dO) come in pairs.
+def smem_fwd(c: FwdConfig, d: int) -> int:
+    return 2 * d * (c.block_m + 2 * c.block_n * c.num_stages)
+
+
+def smem_dkdv(c: BwdConfig, d: int) -> int:
+    # K, V held; Q, dO streamed; plus the fp32 LSE and delta slices per stage.
+    return 2 * d * (2 * c.dkdv_block_n + 2 * c.dkdv_block_m * c.dkdv_stages) \
+        + 8 * c.dkdv_block_m * c.dkdv_stages
+
+
+def smem_dq(c: BwdConfig, d: int) -> int:
+    # Q, dO held; K, V streamed.
+    return 2 * d * (2 * c.dq_block_m + 2 * c.dq_block_n * c.dq_stages) + 8 * c.dq_block_m
 
 
 def _regs(rows: int, cols: int, d: int, warps: int) -> float:
@@ -112,50 +129,55 @@ def _regs(rows: int, cols: int, d: int, warps: int) -> float:
     return (rows * cols + rows * d) / (32 * warps)
 
 
-def _check_launch(where: str, block_m: int, warps: int, maxnreg: int) -> None:
+def _check_launch(where: str, block_m: int, warps: int) -> None:
     if warps > max(4, block_m // 8):
         raise InfeasibleConfigError(
             f"{where}: {warps} warps for a {block_m}-row tile leaves warps idle "
             f"(allowed up to {max(4, block_m // 8)})")
-    if maxnreg and maxnreg * 32 * warps > 65536:
+
+
+def _check_regs(where: str, regs: float, maxnreg: int, warps: int) -> None:
+    if regs > _REG_BUDGET:
         raise InfeasibleConfigError(
-            f"{where}: maxnreg={maxnreg} x {warps} warps exceeds the 64K-register file")
+            f"{where}: ~{regs:.0f} fp32 registers/thread for the tiles exceeds {_REG_BUDGET} "
+            f"(it would spill heavily); use smaller blocks or more warps")
+    if maxnreg:
+        if maxnreg * 32 * warps > 65536:
+            raise InfeasibleConfigError(
+                f"{where}: maxnreg={maxnreg} x {warps} warps exceeds the 64K-register file")
+        # ptxas refuses to build when the cap is below what the accumulators alone need.
+        if maxnreg < regs + _REG_OVERHEAD:
+            raise InfeasibleConfigError(
+                f"{where}: maxnreg={maxnreg} is below the ~{regs + _REG_OVERHEAD:.0f} "
+                f"registers/thread the tiles need")
+
+
+def _check_smem(where: str, need: int, smem_bytes: int) -> None:
+    if need > smem_bytes:
+        raise InfeasibleConfigError(
+            f"{where}: estimated shared memory {need} B exceeds the device's {smem_bytes} B")
 
 
 def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
     """Raise InfeasibleConfigError (with the reason) if ``c`` cannot run ``p``."""
     d = padded_head_dim(p.head_dim)
-    _check_launch("fwd", c.block_m, c.num_warps, c.maxnreg)
-    smem = _smem_fwd(c, d, 2)
-    if smem > smem_bytes:
-        raise InfeasibleConfigError(
-            f"fwd: estimated shared memory {smem} B exceeds the device's {smem_bytes} B")
-    regs = _regs(c.block_m, c.block_n, d, c.num_warps)
-    if regs > _REG_BUDGET:
-        raise InfeasibleConfigError(
-            f"fwd: ~{regs:.0f} fp32 registers/thread for the score tile and accumulator "
-            f"exceeds {_REG_BUDGET}; use smaller blocks or more warps")
+    _check_launch("fwd", c.block_m, c.num_warps)
+    _check_smem("fwd", smem_fwd(c, d), smem_bytes)
+    _check_regs("fwd", _regs(c.block_m, c.block_n, d, c.num_warps), c.maxnreg, c.num_warps)
 
 
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
     d = padded_head_dim(p.head_dim)
-    _check_launch("bwd dkdv", c.dkdv_block_n, c.dkdv_warps, c.maxnreg)
-    _check_launch("bwd dq", c.dq_block_m, c.dq_warps, c.maxnreg)
-    # dK/dV: K, V held; Q, dO streamed (staged); dk, dv accumulators in registers.
-    smem1 = 2 * c.dkdv_block_n * d * 2 + max(c.dkdv_stages - 1, 1) * 2 * c.dkdv_block_m * d * 2
-    smem2 = 2 * c.dq_block_m * d * 2 + max(c.dq_stages - 1, 1) * 2 * c.dq_block_n * d * 2
-    for where, smem in (("dkdv", smem1), ("dq", smem2)):
-        if smem > smem_bytes:
-            raise InfeasibleConfigError(
-                f"bwd {where}: estimated shared memory {smem} B exceeds the device's "
-                f"{smem_bytes} B")
+    _check_launch("bwd dkdv", c.dkdv_block_n, c.dkdv_warps)
+    _check_launch("bwd dq", c.dq_block_m, c.dq_warps)
+    _check_smem("bwd dkdv", smem_dkdv(c, d), smem_bytes)
+    _check_smem("bwd dq", smem_dq(c, d), smem_bytes)
+    # dK/dV: two fp32 accumulators (dk, dv) plus the P^T and dP^T tiles; dQ: one accumulator
+    # plus the P and dP tiles.
     r1 = (2 * c.dkdv_block_n * d + 2 * c.dkdv_block_n * c.dkdv_block_m) / (32 * c.dkdv_warps)
     r2 = (c.dq_block_m * d + 2 * c.dq_block_m * c.dq_block_n) / (32 * c.dq_warps)
-    for where, regs in (("dkdv", r1), ("dq", r2)):
-        if regs > _REG_BUDGET:
-            raise InfeasibleConfigError(
-                f"bwd {where}: ~{regs:.0f} fp32 registers/thread exceeds {_REG_BUDGET}; "
-                f"use smaller blocks or more warps")
+    _check_regs("bwd dkdv", r1, c.maxnreg, c.dkdv_warps)
+    _check_regs("bwd dq", r2, c.maxnreg, c.dq_warps)
 
 
 def check(c: FwdConfig | BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:

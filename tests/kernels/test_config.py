@@ -1,0 +1,95 @@
+"""Config dataclasses: search space as data, validation, feasibility, heuristic defaults."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from flashtune._problem import Problem
+from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels.config import (
+    DEFAULT_SMEM_BYTES,
+    BwdConfig,
+    FwdConfig,
+    check_bwd,
+    check_fwd,
+    config_fields,
+    config_from_dict,
+    config_to_dict,
+    default_bwd,
+    default_fwd,
+    smem_dkdv,
+    smem_dq,
+    smem_fwd,
+)
+
+PROBE = pathlib.Path(__file__).parents[2] / "benchmarks" / "data" / "probe_h200.jsonl"
+
+
+def test_every_field_declares_its_choices_and_default_is_among_them() -> None:
+    for cls in (FwdConfig, BwdConfig):
+        space = config_fields(cls)
+        assert space, cls
+        d = config_to_dict(cls())
+        assert set(d) == set(space)
+        for name, choices in space.items():
+            assert d[name] in choices, (cls.__name__, name)
+
+
+def test_config_from_dict_round_trip_and_rejections() -> None:
+    c = FwdConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
+    assert config_from_dict("fwd", config_to_dict(c)) == c
+    with pytest.raises(ValueError, match=r"unknown fwd config field\(s\) \['bogus'\]"):
+        config_from_dict("fwd", {"bogus": 1})
+    with pytest.raises(ValueError, match=r"'block_m' = 48 is not one of"):
+        config_from_dict("fwd", {"block_m": 48})
+    with pytest.raises(ValueError, match=r"'num_warps' = True"):
+        config_from_dict("fwd", {"num_warps": True})
+    with pytest.raises(ValueError, match="direction must be"):
+        config_from_dict("sideways", {})
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("s", [1, 17, 1000, 16384])
+def test_defaults_are_feasible_everywhere(d: int, s: int) -> None:
+    p = Problem(2, 8, 2, s, max(s // 2, 1), d, "bf16", True)
+    check_fwd(default_fwd(p), p)
+    check_bwd(default_bwd(p), p)
+
+
+def test_infeasible_configs_are_rejected_with_a_reason() -> None:
+    p = Problem(1, 2, 2, 4096, 4096, 256)
+    with pytest.raises(InfeasibleConfigError, match=r"fwd: estimated shared memory \d+ B"):
+        check_fwd(FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=4), p)
+    with pytest.raises(InfeasibleConfigError, match="registers/thread"):
+        check_fwd(FwdConfig(block_m=256, block_n=256, num_warps=4, num_stages=1), p)
+    with pytest.raises(InfeasibleConfigError, match="maxnreg=128 is below"):
+        check_fwd(FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, maxnreg=128),
+                  Problem(1, 2, 2, 512, 512, 128))
+    with pytest.raises(InfeasibleConfigError, match="bwd dq: estimated shared memory"):
+        check_bwd(BwdConfig(dq_block_m=128, dq_block_n=128, dq_stages=4, dq_warps=8), p)
+
+
+def test_smem_model_never_underestimates_an_out_of_resources_on_the_h200() -> None:
+    """Every config that Triton could not fit in shared memory on the H200 is rejected by
+    the model, and the model is at least the measured allocation near the limit."""
+    rows = [json.loads(line) for line in PROBE.read_text().splitlines()]
+    assert len(rows) > 1000
+    for r in rows:
+        d = r["d"]
+        if r["kernel"] == "fwd":
+            est = smem_fwd(FwdConfig(block_m=r["bm"], block_n=r["bn"],
+                                     num_stages=r["stages"]), d)
+        elif r["kernel"] == "dkdv":
+            est = smem_dkdv(BwdConfig(dkdv_block_m=r["bm"], dkdv_block_n=r["bn"],
+                                      dkdv_stages=r["stages"]), d)
+        else:
+            est = smem_dq(BwdConfig(dq_block_m=r["bm"], dq_block_n=r["bn"],
+                                    dq_stages=r["stages"]), d)
+        if "error" in r:
+            assert "shared memory" in r["error"]
+            assert est > DEFAULT_SMEM_BYTES, r
+        elif r["shared"] > DEFAULT_SMEM_BYTES // 2:
+            assert est >= r["shared"], r
