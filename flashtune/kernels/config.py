@@ -116,7 +116,7 @@ def smem_fwd(c: FwdConfig, d: int) -> int:
 def smem_dkdv(c: BwdConfig, d: int) -> int:
     # K, V held; Q, dO streamed; plus the fp32 LSE and delta slices per stage.
     return 2 * d * (2 * c.dkdv_block_n + 2 * c.dkdv_block_m * c.dkdv_stages) \
-        + 8 * c.dkdv_block_m * c.dkdv_stages
+        + 16 * c.dkdv_block_m * c.dkdv_stages
 
 
 def smem_dq(c: BwdConfig, d: int) -> int:

@@ -64,7 +64,8 @@ def test_infeasible_configs_are_rejected_with_a_reason() -> None:
     with pytest.raises(InfeasibleConfigError, match=r"fwd: estimated shared memory \d+ B"):
         check_fwd(FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=4), p)
     with pytest.raises(InfeasibleConfigError, match="registers/thread"):
-        check_fwd(FwdConfig(block_m=256, block_n=256, num_warps=4, num_stages=1), p)
+        check_fwd(FwdConfig(block_m=256, block_n=256, num_warps=4, num_stages=1),
+                  Problem(1, 2, 2, 4096, 4096, 64))
     with pytest.raises(InfeasibleConfigError, match="maxnreg=128 is below"):
         check_fwd(FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, maxnreg=128),
                   Problem(1, 2, 2, 512, 512, 128))
