@@ -114,9 +114,11 @@ def smem_fwd(c: FwdConfig, d: int) -> int:
 
 
 def smem_dkdv(c: BwdConfig, d: int) -> int:
-    # K, V held; Q, dO streamed; plus the fp32 LSE and delta slices per stage.
-    return 2 * d * (2 * c.dkdv_block_n + 2 * c.dkdv_block_m * c.dkdv_stages) \
-        + 16 * c.dkdv_block_m * c.dkdv_stages
+    # K, V held; Q, dO streamed; plus the fp32 LSE and delta slices per stage. Unpipelined
+    # (1 stage), Triton still double-buffers the transposed operands: count 2.
+    stages = max(c.dkdv_stages, 2)
+    return 2 * d * (2 * c.dkdv_block_n + 2 * c.dkdv_block_m * stages) \
+        + 16 * c.dkdv_block_m * stages
 
 
 def smem_dq(c: BwdConfig, d: int) -> int:
