@@ -101,6 +101,28 @@ def _measure(fn: Callable[..., torch.Tensor], mk: Callable[[bool], torch.Tensor]
             "train_enqueue_us": trn[0], "train_wall_us": trn[1]}
 
 
+def bench_breakdown(n: int = 2000) -> dict[str, float]:
+    """Host microseconds per call of each layer under flashtune.flash_attention at the
+    tiny shape: validation, the dispatcher's lookup, and the raw launchers."""
+    from flashtune.kernels.attn_bwd import attn_bwd
+    from flashtune.kernels.attn_fwd import attn_fwd
+
+    p = Problem(batch=1, heads_q=4, heads_kv=4, seqlen_q=128, seqlen_k=128, head_dim=64,
+                dtype="bf16", causal=True)
+    shape = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fc, bc = default_fwd(p), default_bwd(p)
+    kw = dict(causal=True, sm_scale=0.125, window=(-1, -1), softcap=0.0)
+    o, lse = attn_fwd(q, k, v, config=fc, **kw)
+    parts: dict[str, Callable[[], Any]] = {
+        "validate": lambda: attention.validate(q, k, v, True, None, (-1, -1), 0.0),
+        "dispatch.resolve (hit)": lambda: dispatch.resolve("fwd", q, k, True, (-1, -1), 0.0),
+        "attn_fwd launcher": lambda: attn_fwd(q, k, v, config=fc, **kw),
+        "attn_bwd launcher": lambda: attn_bwd(do, q, k, v, o, lse, config=bc, **kw),
+    }
+    return {name: _loop(fn, n)[0] for name, fn in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
@@ -130,6 +152,9 @@ def main() -> None:
             print(f"| {r['impl']} | {r['inference_enqueue_us']:.1f} | "
                   f"{r['inference_wall_us']:.1f} | {r['train_enqueue_us']:.1f} | "
                   f"{r['train_wall_us']:.1f} |")
+        out["breakdown"] = bench_breakdown()
+        for name, us in out["breakdown"].items():
+            print(f"host {name}: {us:.2f} us/call")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

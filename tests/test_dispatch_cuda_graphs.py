@@ -59,7 +59,7 @@ def test_graph_replay_matches_eager_and_reads_nothing(db):
     put(db, p, "fwd", FWD_A)
     put(db, p, "bwd", BWD_A)
     q, k, v, do = _inputs(p)
-    want = [t.clone() for t in _step(q, k, v, do, flashtune.flash_attention)]
+    _step(*_inputs(p, 3), flashtune.flash_attention)  # eager first: loads the table
     before = dispatch.stats()
     graph, static = _capture(q, k, v, do, flashtune.flash_attention, warmup=2)
     for seed in (1, 2):  # new inputs, copied into the captured buffers
