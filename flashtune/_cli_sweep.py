@@ -28,6 +28,7 @@ from typing import Any
 import click
 
 from flashtune._cli_db import _clean_errors, db_option
+from flashtune.exceptions import FlashtuneError
 
 COMMANDS: list[click.Command] = []
 
@@ -79,7 +80,7 @@ def _shape_set(preset: str | None, shapes: str | None, from_misses: bool,
             return "recorded misses", _misses(db_url)
         name = preset or "standard"
         return f"preset {name}", get_preset(name)
-    except ValueError as e:
+    except (ValueError, OSError, FlashtuneError) as e:
         raise click.ClickException(" ".join(str(e).split())) from None
 
 
@@ -87,8 +88,13 @@ def _misses(db_url: str | None) -> list[Any]:
     from flashtune.db.fingerprint import device_info
     from flashtune.db.storage import open_storage
 
-    with open_storage(db_url, read_only=True) as st:
-        found = st.misses(device=device_info().fingerprint)
+    from flashtune.exceptions import DatabaseMissingError
+
+    try:
+        with open_storage(db_url, read_only=True) as st:
+            found = st.misses(device=device_info().fingerprint)
+    except DatabaseMissingError:
+        found = []
     if not found:
         raise ValueError("the database has no recorded dispatcher misses for this device; "
                          "run your model with flashtune first, or use --preset/--shapes")
