@@ -87,7 +87,6 @@ def _shape_set(preset: str | None, shapes: str | None, from_misses: bool,
 def _misses(db_url: str | None) -> list[Any]:
     from flashtune.db.fingerprint import device_info
     from flashtune.db.storage import open_storage
-
     from flashtune.exceptions import DatabaseMissingError
 
     try:
