@@ -1,0 +1,57 @@
+"""`autotune bench` under Triton's interpreter: tuned vs default rows, ratios, JSON, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from flashtune.cli import main
+
+TINY = [{"batch": 1, "heads": 2, "seqlen": 64, "head_dim": 32, "dtype": "fp16"}]
+
+
+def _shapes(tmp_path: Path) -> str:
+    p = tmp_path / "shapes.json"
+    p.write_text(json.dumps(TINY))
+    return str(p)
+
+
+def test_bench_without_tuning_times_the_default_only(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--shapes",
+                                    _shapes(tmp_path), "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["interpreter"] is True and doc["device"]["name"] == "cpu-interpreter"
+    assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
+    for r in doc["rows"]:
+        assert set(r["tflops"]) == {"default"} and r["tflops"]["default"] > 0
+        assert r["ratios"] == {}
+
+
+def test_bench_compares_tuned_with_default(tmp_path: Path) -> None:
+    db, shapes = str(tmp_path / "t.db"), _shapes(tmp_path)
+    tuned = CliRunner().invoke(main, ["sweep", "--interpret", "--shapes", shapes, "--direction",
+                                      "fwd", "--trials", "2", "--db", db])
+    assert tuned.exit_code == 0, tuned.output
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--shapes", shapes,
+                                    "--db", db])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    for r in doc["rows"]:
+        assert set(r["tflops"]) == {"tuned", "default"}
+        assert r["tuned_directions"] == ["fwd"]
+        ratio = r["ratios"]["tuned/default"]
+        assert ratio == r["tflops"]["tuned"] / r["tflops"]["default"] > 0
+    assert set(doc["geomean_ratios"]) == {"fwd", "bwd", "infer"}
+
+    human = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", shapes, "--db", db])
+    assert human.exit_code == 0, human.output
+    assert "TFLOP/s, interpreter" in human.stdout and "tuned/default" in human.stdout
+    assert "geomean fwd: tuned/default" in human.stdout
+
+
+def test_bench_unknown_preset_is_a_usage_error() -> None:
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--preset", "llama5"])
+    assert res.exit_code == 2 and "llama5" in res.stderr and "Traceback" not in res.output
