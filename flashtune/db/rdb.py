@@ -153,13 +153,23 @@ def _insert(session: Session, model: type[Base]) -> Any:
     return (pg_insert if dialect == "postgresql" else sqlite_insert)(model)
 
 
-def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[str, Any]) -> int:
-    """The id of the row matching ``where``, inserting ``values`` if there is none."""
+def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[str, Any],
+            cache: dict[tuple[Any, ...], int]) -> int:
+    """The id of the row matching ``where``, inserting ``values`` if there is none.
+
+    Rows of these tables are never deleted, so an id found already committed is cached
+    (one inserted by this transaction is not: the transaction may still roll back).
+    """
+    token = (model.__tablename__, *sorted(where.items()))
+    if token in cache:
+        return cache[token]
     find = select(model.id).filter_by(**where)
     got = session.scalar(find)
-    if got is None:
-        session.execute(_insert(session, model).values(**values).on_conflict_do_nothing())
-        got = session.scalar(find)
+    if got is not None:
+        cache[token] = got
+        return int(got)
+    session.execute(_insert(session, model).values(**values).on_conflict_do_nothing())
+    got = session.scalar(find)
     assert got is not None
     return int(got)
 
@@ -178,6 +188,7 @@ class RDBStorage(Storage):
             self.engine = _create_engine(url, read_only)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise StorageError(f"{self._where}: cannot use this URL ({_first_line(e)})") from None
+        self._ids_cache: dict[tuple[Any, ...], int] = {}
         self._read = sessionmaker(bind=self.engine, expire_on_commit=False)
         self._write = sessionmaker(bind=self.engine.execution_options(**{_WRITE: True}),
                                    expire_on_commit=False)
@@ -287,14 +298,14 @@ class RDBStorage(Storage):
 
     # -- writes -------------------------------------------------------------------------
 
-    def _ids(self, s: Session, device: DeviceInfo, software: SoftwareInfo | None,
-             key: ProblemKey) -> tuple[int, int | None, int]:
+    def _ids(self, s: Session, device: DeviceInfo, software: SoftwareInfo,
+             key: ProblemKey) -> tuple[int, int, int]:
+        c = self._ids_cache
         dev = _row_id(s, Device, {"fingerprint": device.fingerprint},
-                      {"fingerprint": device.fingerprint, **device.as_dict()})
-        sw = None if software is None else _row_id(
-            s, Software, {"fingerprint": software.fingerprint},
-            {"fingerprint": software.fingerprint, **software.as_dict()})
-        prob = _row_id(s, ProblemRow, key.as_dict(), key.as_dict())
+                      {"fingerprint": device.fingerprint, **device.as_dict()}, c)
+        sw = _row_id(s, Software, {"fingerprint": software.fingerprint},
+                     {"fingerprint": software.fingerprint, **software.as_dict()}, c)
+        prob = _row_id(s, ProblemRow, key.as_dict(), key.as_dict(), c)
         return dev, sw, prob
 
     def _put(self, s: Session, r: Result, prefer: str) -> str:
