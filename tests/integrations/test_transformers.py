@@ -10,17 +10,12 @@ transformers = pytest.importorskip("transformers")
 
 from flashtune import dispatch  # noqa: E402
 from flashtune.integrations import transformers as ft_hf  # noqa: E402
+from tests.test_dispatch import fresh_db  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dispatch(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHTUNE_DB", str(tmp_path / "tuning.db"))
-    for name in ("FLASHTUNE_STRICT", "FLASHTUNE_TUNE_ON_MISS"):
-        monkeypatch.delenv(name, raising=False)
-    dispatch.reload()
-    yield
-    dispatch.flush_misses(10)
-    dispatch.reload()
+    yield from fresh_db(tmp_path, monkeypatch)
 
 
 def _tiny_config(**kw):
