@@ -1,0 +1,68 @@
+"""Device and software fingerprints: stable, cheap, and free of sqlalchemy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashtune.db.fingerprint import (
+    CPU_INTERPRETER,
+    DeviceInfo,
+    SoftwareInfo,
+    device_info,
+    kernels_hash,
+    software_info,
+)
+
+
+def test_fingerprints_are_pinned() -> None:
+    # Changing these orphans every database in the field: never do it by accident.
+    h200 = DeviceInfo(name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
+    assert h200.fingerprint == "7d10776c6eec68fb"
+    sw = SoftwareInfo(torch="2.13.0", triton="3.9.0", cuda="12.8", kernels_hash="a" * 64)
+    assert sw.fingerprint == "0a0471bac4dbd055"
+    assert DeviceInfo("NVIDIA H200", "9.0", 132, 141).fingerprint != h200.fingerprint
+
+
+def test_interpreter_is_a_device_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    d = device_info()
+    assert d.name == CPU_INTERPRETER and (d.sm_count, d.memory_gb) == (0, 0)
+    assert device_info("cuda:0") == d  # whatever is asked for, the interpreter runs it
+
+
+def test_device_matches_fingerprint_or_name_part() -> None:
+    d = DeviceInfo(name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
+    assert d.matches(d.fingerprint) and d.matches("h200") and not d.matches("a100")
+
+
+def test_kernels_hash_follows_content_not_order(tmp_path: Path) -> None:
+    (tmp_path / "b.py").write_text("B = 1\n")
+    (tmp_path / "a.py").write_text("A = 1\n")
+    (tmp_path / "notes.txt").write_text("ignored")
+    first = kernels_hash(tmp_path)
+    (tmp_path / "notes.txt").write_text("still ignored")
+    assert kernels_hash(tmp_path) == first
+    (tmp_path / "a.py").write_text("A = 2\n")
+    assert kernels_hash(tmp_path) != first
+
+
+def test_software_info_is_cached_and_hashes_the_kernels() -> None:
+    sw = software_info()
+    assert software_info() is sw
+    assert sw.kernels_hash == kernels_hash() and len(sw.kernels_hash) == 64
+    assert sw.torch and sw.triton and sw.cuda
+
+
+def test_dispatch_path_imports_no_sqlalchemy() -> None:
+    code = ("import sys, flashtune, flashtune.db, flashtune.db.exchange; "
+            "from flashtune.db import device_info, software_info, shipped_results; "
+            "device_info(); software_info(); shipped_results(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'alembic')]; "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={"TRITON_INTERPRET": "1", "PATH": ""})
+    assert p.returncode == 0, p.stderr

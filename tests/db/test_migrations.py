@@ -1,0 +1,97 @@
+"""Alembic migrations: the models equal the newest migration, old database files
+upgrade, and Optuna's tables live beside ours.
+
+``assets/tuning_v0001.db`` is a database of the first schema (revision 0001), written
+by flashtune 0.1.0 and kept as it was; ``assets/tuning_v0001.json`` is its export.
+Every later schema must open it, upgrade it and export the same content.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+
+from flashtune.db import open_storage
+from flashtune.db.exchange import export_json
+from flashtune.db.models import VERSION_TABLE, Base
+from flashtune.db.rdb import _alembic_config, _scripts
+from flashtune.exceptions import SchemaError
+from tests.db._data import H200, SW, results
+from tests.db.conftest import FILE_BACKENDS
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def revision(storage: Any) -> str | None:
+    with storage.engine.connect() as conn:
+        return MigrationContext.configure(
+            conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+
+
+@pytest.mark.parametrize("db_url", FILE_BACKENDS, indirect=True)
+def test_models_equal_the_newest_migration(db_url: str) -> None:
+    with open_storage(db_url) as s, s.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        assert compare_metadata(ctx, Base.metadata) == []
+        assert revision(s) == _scripts().get_current_head()
+
+
+def test_first_schema_file_upgrades_and_keeps_its_content(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    shutil.copy(ASSETS / "tuning_v0001.db", db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0001",)]
+    with open_storage(str(db)) as s:
+        assert revision(s) == _scripts().get_current_head()
+        assert export_json(s) == (ASSETS / "tuning_v0001.json").read_bytes()
+        assert [(k.direction, n) for k, n, _ in s.misses()] == [("fwd", 5), ("bwd", 2)]
+        assert s.put_results(results(99, 1, devices=(H200,), software=(SW,))) == ["added"]
+
+
+def test_downgrade_to_nothing_and_back(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cycle.db'}"
+    open_storage(url).close()
+    cfg = _alembic_config()
+    s = open_storage(url)
+    with s.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "base")
+    assert not [t for t in inspect(s.engine).get_table_names() if t.startswith("ft_")]
+    s.close()
+    with open_storage(url) as again:  # opening upgrades from nothing
+        assert {"ft_devices", "ft_software", "ft_problems", "ft_results", "ft_misses"} <= \
+            set(inspect(again.engine).get_table_names())
+
+
+def test_read_only_database_without_our_tables(tmp_path: Path) -> None:
+    db = tmp_path / "empty.db"
+    sqlite3.connect(db).execute("CREATE TABLE other (x)").connection.close()
+    with pytest.raises(SchemaError, match="has no flashtune tables"):
+        open_storage(str(db), read_only=True)
+
+
+@pytest.mark.parametrize("db_url", FILE_BACKENDS, indirect=True)
+def test_optuna_studies_share_the_database(db_url: str) -> None:
+    optuna = pytest.importorskip("optuna")
+    from flashtune.db.storage import resolve_url
+
+    url = resolve_url(db_url)
+    with open_storage(url) as s:
+        s.put_results(results(41, 3))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=url, study_name="fwd-search")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    with open_storage(url) as s:  # our migration check ignores optuna's tables
+        assert len(s.results()) == 3
+        s.put_results(results(42, 2, devices=(H200,)))
+        tables = set(inspect(s.engine).get_table_names())
+    assert {"alembic_version", VERSION_TABLE, "studies", "ft_results"} <= tables
+    assert len(optuna.load_study(study_name="fwd-search", storage=url).trials) == 2
