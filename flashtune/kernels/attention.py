@@ -10,6 +10,7 @@ keeps database code out of traced graphs and out of this package.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -257,6 +258,23 @@ class FlashAttnFunc(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 
 
+@functools.lru_cache(maxsize=4096)
+def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape: tuple[int, ...],
+                  k_shape: tuple[int, ...], dtype: torch.dtype, causal: bool,
+                  window: tuple[int, int], softcap: float) -> None:
+    """Feasibility of a forced config, checked once per (config, shape) and then cached."""
+    from flashtune._problem import Problem
+
+    b, hq, sq, d = q_shape
+    p = Problem(batch=b, heads_q=hq, heads_kv=k_shape[1], seqlen_q=sq, seqlen_k=k_shape[2],
+                head_dim=d, dtype="fp16" if dtype == torch.float16 else "bf16", causal=causal,
+                window=window, softcap=softcap)
+    if fwd_cfg is not None:
+        check_fwd(fwd_cfg, p)
+    if bwd_cfg is not None:
+        check_bwd(bwd_cfg, p)
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: float | None = None,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -275,11 +293,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
     fwd_cfg, bwd_cfg = split_config(config)
     if fwd_cfg is not None or bwd_cfg is not None:
-        p = _problem(q, k, causal, window, cap)
-        if fwd_cfg is not None:
-            check_fwd(fwd_cfg, p)
-        if bwd_cfg is not None:
-            check_bwd(bwd_cfg, p)
+        _check_forced(fwd_cfg, bwd_cfg, tuple(q.shape), tuple(k.shape), q.dtype, causal, window,
+                      cap)
     fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)
     if torch.compiler.is_compiling():
         o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, fwd_enc, bwd_enc)
