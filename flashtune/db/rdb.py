@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sqlite3
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -60,6 +61,19 @@ _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 # Any fixed 64-bit number: the PostgreSQL advisory lock that serializes migrations.
 _PG_MIGRATION_LOCK = 0x666C617368_74756E  # "flashtun"
 _WRITE = "flashtune_write"
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_inherited_connections() -> None:
+    # A forked child (a DataLoader worker, a sweep worker) must not use the parent's
+    # sockets or SQLite handles: drop them from the pools without closing them.
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,6 +202,7 @@ class RDBStorage(Storage):
             self.engine = _create_engine(url, read_only)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise StorageError(f"{self._where}: cannot use this URL ({_first_line(e)})") from None
+        _ENGINES.add(self.engine)
         self._ids_cache: dict[tuple[Any, ...], int] = {}
         self._read = sessionmaker(bind=self.engine, expire_on_commit=False)
         self._write = sessionmaker(bind=self.engine.execution_options(**{_WRITE: True}),
@@ -395,10 +410,3 @@ class RDBStorage(Storage):
                 acc[1] = example  # the most recent example wins
         return sorted(((k, c, p) for k, (c, p) in total.items()), key=lambda t: (-t[1], t[0]))
 
-
-def database_file(storage: Storage) -> str | None:
-    """The SQLite file behind ``storage`` (None for memory or a server)."""
-    url = make_url(storage.url)
-    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
-        return None
-    return os.path.abspath(url.database)

@@ -115,3 +115,28 @@ def test_killed_writer_leaves_every_committed_row(db_url: str, victim: Any) -> N
     # A commit may land between the last counter update and the kill, never more.
     _check_after_kill(db_url, n, n + (victim is _write_until_killed))
 
+
+
+
+def _backend_pid(storage: Any) -> int:
+    with storage.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
+
+
+def _use_inherited(storage: Any, parent_pid: int) -> None:
+    assert _backend_pid(storage) != parent_pid, "the child reused the parent's connection"
+    assert storage.put_results(_data.results(35, 3, devices=(writer_device(7),))) == ["added"] * 3
+
+
+@pytest.mark.postgres
+def test_forked_child_does_not_share_connections(pg_url: str) -> None:
+    storage = open_storage(pg_url)
+    storage.put_results(_data.results(34, 2))
+    parent = _backend_pid(storage)  # that connection now waits, idle, in the pool
+    p = _fork.Process(target=_use_inherited, args=(storage, parent))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert _backend_pid(storage) == parent  # the parent's own connection still works
+    assert len(storage.results()) == 5
+    storage.close()
