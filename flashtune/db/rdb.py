@@ -149,11 +149,12 @@ def _create_engine(url_text: str, read_only: bool) -> Engine:
     url = make_url(url_text)
     if url.get_backend_name() == "sqlite":
         return _sqlite_engine(url, read_only)
-    opts: dict[str, Any] = {"pool_pre_ping": True}
-    if url.get_backend_name() == "postgresql":
-        opts["connect_args"] = {"connect_timeout": 10}
-        if read_only:
-            opts["execution_options"] = {"postgresql_readonly": True}
+    if url.get_backend_name() != "postgresql":
+        raise ArgumentError(f"{url.get_backend_name()} is not supported; use SQLite or "
+                            "PostgreSQL")
+    opts: dict[str, Any] = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
+    if read_only:
+        opts["execution_options"] = {"postgresql_readonly": True}
     return create_engine(url, **opts)
 
 
@@ -195,7 +196,11 @@ class RDBStorage(Storage):
         self.url = url
         self.read_only = read_only
         try:
-            self._where = make_url(url).render_as_string(hide_password=True)
+            parsed = make_url(url)
+            # Messages name a SQLite database by its file, any other by its URL sans password.
+            self._where = parsed.database if parsed.get_backend_name() == "sqlite" \
+                and parsed.database not in (None, "", ":memory:") \
+                else parsed.render_as_string(hide_password=True)
         except ArgumentError:
             raise StorageError(f"{url!r} is not a database path or SQLAlchemy URL") from None
         try:

@@ -148,8 +148,7 @@ class Storage(abc.ABC):
         """Warm-start seeds for tuning ``key`` on ``device`` under ``software``, best first:
         the key's stale results on this device, then the key's results on other devices
         (any software), then the :meth:`nearest` fresh results on this device."""
-        same_key = [r.against(software) for r in self.results(software=software)
-                    if r.key == key]
+        same_key = [r for r in self.results(software=software) if r.key == key]
         here = device.fingerprint
         stale_here = [r for r in same_key if r.device.fingerprint == here and r.stale]
         elsewhere = [r for r in same_key if r.device.fingerprint != here]

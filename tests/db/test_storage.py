@@ -246,7 +246,7 @@ def test_sqlite_file_uses_wal(db_url: str, storage: Storage) -> None:
 
 @pytest.mark.parametrize("db_url", ["memory"], indirect=True)
 def test_bad_urls_are_storage_errors(db_url: str) -> None:
-    for url in ("nosuchdialect://x/y", "postgresql+nosuchdriver://h/db"):
+    for url in ("nosuchdialect://x/y", "postgresql+nosuchdriver://h/db", "mysql://h/db"):
         with pytest.raises(StorageError, match="cannot use this URL"):
             open_storage(url)
 
