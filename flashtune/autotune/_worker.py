@@ -12,6 +12,7 @@ Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}``,
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -88,6 +89,7 @@ def _serve(conn: Connection) -> None:
 def main(argv: list[str]) -> None:
     # Ctrl-C goes to the whole process group; the parent decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a worker is stuck
     conn = Connection(int(argv[1]))
     try:
         _serve(conn)

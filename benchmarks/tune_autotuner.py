@@ -1,0 +1,205 @@
+"""Autotuner benchmarks (issue 4): search quality, parallel compilation, tuned vs default.
+
+    python benchmarks/tune_autotuner.py parallel   --out DIR [--workers 14]
+    python benchmarks/tune_autotuner.py quality    --out DIR [--directions fwd,bwd]
+    python benchmarks/tune_autotuner.py vs-default --out DIR [--time-budget 8]
+
+- parallel: the same seeded TPE search (trials fixed) with N compile workers and with 1,
+  each on an empty Triton cache; wall time per trial and the compile share.
+- quality: six standard-matrix problems; an exhaustive search of a stated sub-grid,
+  then TPE with a budget of 20% of the sub-grid's feasible points; both winners are
+  re-timed interleaved and compared.
+- vs-default: every standard-matrix shape, forward and backward: a time-budgeted tune,
+  then the winner and the heuristic default re-timed interleaved.
+
+Every run uses an in-memory tuning database (nothing is stored on the host) and
+writes a JSON file with the GPU name, versions and date under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from flashtune._bench import geomean, standard_matrix
+from flashtune._problem import Problem
+from flashtune.autotune import SearchSpace, TuneSession, tune
+from flashtune.kernels.config import config_to_dict, default_config
+
+# Search-timing protocol for every trial (do_bench median, L2 flushed); the final
+# re-timing uses the house defaults (25 ms warmup, 100 ms of repetitions) x rounds.
+TIMING = {"warmup_ms": 10, "rep_ms": 40}
+FWD_GRID = dict(block_m=(32, 64, 128, 256), block_n=(16, 32, 64, 128), num_warps=(4, 8),
+                num_stages=(1, 2, 3, 4, 5), maxnreg=0)
+BWD_GRID = dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(32, 64, 128), dkdv_warps=(4, 8),
+                dkdv_stages=2, dq_block_m=(64, 128), dq_block_n=(16, 32, 64),
+                dq_warps=(4, 8), dq_stages=2, pre_block_m=64, maxnreg=0)
+
+
+def _std(s: int, d: int, causal: bool) -> Problem:
+    h = 2048 // d
+    return Problem(batch=16384 // s, heads_q=h, heads_kv=h, seqlen_q=s, seqlen_k=s,
+                   head_dim=d, dtype="bf16", causal=causal)
+
+
+QUALITY_PROBLEMS = [_std(512, 64, False), _std(1024, 64, True), _std(512, 128, True),
+                    _std(1024, 128, False), _std(2048, 128, True), _std(2048, 64, False)]
+
+
+def _env_info() -> dict[str, Any]:
+    import torch
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-interpreter"
+    return {"gpu": dev, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "date": datetime.now(timezone.utc).isoformat(),
+            "cpus": os.cpu_count()}
+
+
+def _label(p: Problem) -> str:
+    return f"B{p.batch} H{p.heads_q} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
+
+
+def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]],
+            rounds: int = 5) -> list[float]:
+    reply = sess.worker.request({"op": "retime", "problem": p.as_dict(), "direction": d,
+                                 "configs": configs, "rounds": rounds, "timing": {}},
+                                timeout=600)
+    if reply.get("status") != "ok":
+        raise RuntimeError(f"retime failed: {reply}")
+    return [t["median_ms"] for t in reply["timings"]]
+
+
+def _write(out: Path, name: str, data: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def cmd_parallel(args: argparse.Namespace) -> None:
+    p = _std(4096, 128, True)
+    rows = []
+    for d in args.directions.split(","):
+        for n in (args.workers, 1):
+            os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tcache{n}")
+            t0 = time.perf_counter()
+            with TuneSession(compile_workers=n) as sess:
+                sess.worker.start()
+                if sess.pool is not None:
+                    sess.pool.submit(p.as_dict(), d, config_to_dict(default_config(d, p))
+                                     ).result()  # start the pool's processes
+                t_start = time.perf_counter() - t0
+                r = tune(p, d, trials=args.trials, storage="sqlite://", session=sess,
+                         timing=TIMING, retime_rounds=0, store=False, seed=1)
+            rows.append({"direction": d, "workers": n, "trials": r.trials,
+                         "infeasible": r.infeasible, "wall_s": r.search_seconds,
+                         "per_trial_s": r.search_seconds / r.trials,
+                         "critical_compile_s": r.compile_seconds,
+                         "compile_share": r.compile_seconds / r.search_seconds,
+                         "pool_compile_s": r.pool_compile_seconds, "startup_s": t_start,
+                         "best_ms": r.median_ms, "failed": r.failed, "pruned": r.pruned})
+            print(json.dumps(rows[-1]), flush=True)
+    _write(Path(args.out), "parallel", {"env": _env_info(), "problem": p.as_dict(),
+                                        "timing": TIMING, "rows": rows})
+    print(f"\n{'dir':4} {'workers':>7} {'trials':>6} {'wall s':>7} {'s/trial':>7} "
+          f"{'compile share':>13}")
+    for r in rows:
+        print(f"{r['direction']:4} {r['workers']:>7} {r['trials']:>6} {r['wall_s']:>7.1f} "
+              f"{r['per_trial_s']:>7.2f} {r['compile_share']:>13.0%}")
+
+
+def cmd_quality(args: argparse.Namespace) -> None:
+    rows = []
+    grids = {"fwd": FWD_GRID, "bwd": BWD_GRID}
+    t_all = time.perf_counter()
+    with TuneSession(compile_workers=args.workers) as sess:
+        for d in args.directions.split(","):
+            space = SearchSpace.full(d).restrict(**grids[d])
+            for p in QUALITY_PROBLEMS:
+                n_feasible = len(space.feasible_grid(p))
+                budget = math.ceil(0.2 * n_feasible)
+                ex = tune(p, d, sampler="grid", space=space, storage="sqlite://", session=sess,
+                          timing=TIMING, store=False, warm_start=False, retime_rounds=3)
+                tp = tune(p, d, sampler="tpe", space=space, trials=budget,
+                          storage="sqlite://", session=sess, timing=TIMING, store=False,
+                          retime_rounds=3, seed=args.seed)
+                ms = _retime(sess, p, d, [config_to_dict(ex.config), config_to_dict(tp.config)])
+                row = {"direction": d, "problem": _label(p), "grid": space.size,
+                       "feasible": n_feasible, "exhaustive_trials": ex.trials,
+                       "exhaustive_s": ex.search_seconds,
+                       "exhaustive_compile_share": ex.compile_seconds / ex.search_seconds,
+                       "tpe_trials": tp.trials, "tpe_s": tp.search_seconds,
+                       "tpe_compile_share": tp.compile_seconds / tp.search_seconds,
+                       "tpe_infeasible": tp.infeasible, "exhaustive_ms": ms[0], "tpe_ms": ms[1],
+                       "gap": ms[1] / ms[0] - 1, "exhaustive_config": config_to_dict(ex.config),
+                       "tpe_config": config_to_dict(tp.config)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _write(Path(args.out), f"quality_{args.directions.replace(',', '_')}",
+                       {"env": _env_info(), "timing": TIMING, "grids": grids, "rows": rows,
+                        "wall_s": time.perf_counter() - t_all})
+    print(f"\n{'dir':4} {'problem':26} {'feas':>4} {'ex trials':>9} {'ex s':>6} {'tpe':>4} "
+          f"{'tpe s':>6} {'cmp%':>5} {'ex ms':>8} {'tpe ms':>8} {'gap':>6}")
+    for r in rows:
+        print(f"{r['direction']:4} {r['problem']:26} {r['feasible']:>4} "
+              f"{r['exhaustive_trials']:>9} {r['exhaustive_s']:>6.0f} {r['tpe_trials']:>4} "
+              f"{r['tpe_s']:>6.1f} {r['tpe_compile_share']:>5.0%} {r['exhaustive_ms']:>8.4f} "
+              f"{r['tpe_ms']:>8.4f} {r['gap']:>+6.1%}")
+
+
+def cmd_vs_default(args: argparse.Namespace) -> None:
+    rows = []
+    probs = standard_matrix()
+    if args.limit:
+        probs = probs[: args.limit]
+    with TuneSession(compile_workers=args.workers) as sess:
+        for d in args.directions.split(","):
+            for p in probs:
+                r = tune(p, d, time_budget=args.time_budget, storage="sqlite://", session=sess,
+                         timing=TIMING, store=False, retime_rounds=3, seed=args.seed)
+                dflt = config_to_dict(default_config(d, p))
+                ms = _retime(sess, p, d, [config_to_dict(r.config), dflt])
+                row = {"direction": d, "problem": _label(p), "gqa": p.gqa_ratio,
+                       "trials": r.trials, "search_s": r.search_seconds, "tuned_ms": ms[0],
+                       "default_ms": ms[1], "speedup": ms[1] / ms[0],
+                       "tflops": p.flops(d) / (ms[0] * 1e-3) / 1e12,
+                       "config": config_to_dict(r.config)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _write(Path(args.out), f"vs_default_{args.directions.replace(',', '_')}",
+                       {"env": _env_info(), "timing": TIMING, "rows": rows})
+    print(f"\n{'dir':4} {'problem':28} {'trials':>6} {'tuned ms':>9} {'default ms':>10} "
+          f"{'speedup':>7} {'TFLOP/s':>7}")
+    for r in rows:
+        print(f"{r['direction']:4} {r['problem'] + (' gqa' if r['gqa'] > 1 else ''):28} "
+              f"{r['trials']:>6} {r['tuned_ms']:>9.4f} {r['default_ms']:>10.4f} "
+              f"{r['speedup']:>7.3f} {r['tflops']:>7.0f}")
+    for d in args.directions.split(","):
+        g = geomean([r["speedup"] for r in rows if r["direction"] == d])
+        print(f"geomean speedup {d}: {g:.3f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["parallel", "quality", "vs-default"])
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--workers", type=int, default=14, help="compile workers")
+    ap.add_argument("--directions", default="fwd,bwd")
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--time-budget", type=float, default=8.0)
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    {"parallel": cmd_parallel, "quality": cmd_quality, "vs-default": cmd_vs_default}[
+        args.what](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
