@@ -31,6 +31,8 @@ from flashtune._problem import ProblemKey
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 
 VERSION_TABLE = "flashtune_alembic_version"
+SCHEMA_REVISION = "0001"
+"""The newest migration: a database at it opens without loading Alembic (a test checks)."""
 _NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",

@@ -20,18 +20,14 @@ import logging
 import os
 import sqlite3
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, select, update
+from sqlalchemy import Engine, column, create_engine, event, inspect, select, table, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
@@ -43,6 +39,7 @@ from flashtune._problem import Problem, ProblemKey
 from flashtune.db.exchange import check_result, sort_key
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
+    SCHEMA_REVISION,
     VERSION_TABLE,
     Base,
     Device,
@@ -53,6 +50,10 @@ from flashtune.db.models import (
 )
 from flashtune.db.storage import PREFER, Result, Storage
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
+
+if TYPE_CHECKING:  # alembic loads only when a database needs migrating (~0.2 s)
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,14 @@ os.register_at_fork(after_in_child=_forget_inherited_connections)
 
 @functools.lru_cache(maxsize=1)
 def _scripts() -> ScriptDirectory:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory(str(_MIGRATIONS))
 
 
 def _alembic_config() -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
     return cfg
@@ -248,24 +253,31 @@ class RDBStorage(Storage):
                 session.close()
 
     def _revision(self) -> str | None:
+        """The schema revision in our version table (None: no flashtune tables yet)."""
         with self._errors(), self.engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-            return ctx.get_current_revision()
+            if not inspect(conn).has_table(VERSION_TABLE):
+                return None
+            found: Sequence[Any] = conn.execute(select(column("version_num")).select_from(
+                table(VERSION_TABLE))).scalars().all()
+        if len(found) > 1:
+            raise SchemaError(f"{self._where}: several schema revisions {sorted(found)}; "
+                              "not a database this flashtune wrote")
+        return str(found[0]) if found else None
 
     def _migrate(self) -> None:
-        scripts = _scripts()
-        head = scripts.get_current_head()
         current = self._revision()
-        if current == head:
+        if current == SCHEMA_REVISION:
             return
-        known = {s.revision for s in scripts.walk_revisions()}
-        if current is not None and current not in known:
+        from alembic import command
+
+        if current is not None and current not in {s.revision for s in
+                                                   _scripts().walk_revisions()}:
             raise SchemaError(
                 f"{self._where}: schema revision {current!r} is newer than this flashtune "
-                f"knows (up to {head!r}); upgrade flashtune")
+                f"knows (up to {SCHEMA_REVISION!r}); upgrade flashtune")
         if self.read_only:
             what = "has no flashtune tables" if current is None else \
-                f"has schema revision {current!r}, older than {head!r}"
+                f"has schema revision {current!r}, older than {SCHEMA_REVISION!r}"
             raise SchemaError(f"{self._where}: {what}; open it once for writing to upgrade")
         cfg = _alembic_config()
         with self._errors(), self.engine.connect() as conn:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from sqlalchemy import inspect
 
 from flashtune.db import open_storage
 from flashtune.db.exchange import export_json
-from flashtune.db.models import VERSION_TABLE, Base
+from flashtune.db.models import SCHEMA_REVISION, VERSION_TABLE, Base
 from flashtune.db.rdb import _alembic_config, _scripts
 from flashtune.exceptions import SchemaError
 from tests.db._data import H200, SW, results
@@ -41,7 +43,7 @@ def test_models_equal_the_newest_migration(db_url: str) -> None:
     with open_storage(db_url) as s, s.engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
         assert compare_metadata(ctx, Base.metadata) == []
-        assert revision(s) == _scripts().get_current_head()
+        assert revision(s) == _scripts().get_current_head() == SCHEMA_REVISION
 
 
 def test_first_schema_file_upgrades_and_keeps_its_content(tmp_path: Path) -> None:
@@ -95,3 +97,17 @@ def test_optuna_studies_share_the_database(db_url: str) -> None:
         tables = set(inspect(s.engine).get_table_names())
     assert {"alembic_version", VERSION_TABLE, "studies", "ft_results"} <= tables
     assert len(optuna.load_study(study_name="fwd-search", storage=url).trials) == 2
+
+
+def test_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    with open_storage(str(db)) as s:
+        s.put_results(results(43, 4, devices=(H200,), software=(SW,)))
+    code = ("import sys; from flashtune.db import open_storage; "
+            "from tests.db._data import H200, SW; "
+            f"s = open_storage({str(db)!r}, read_only=True); "
+            "assert len(s.load_table(H200, SW)) == 4; "
+            "assert 'alembic' not in sys.modules, 'alembic was imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).parents[2])
+    assert p.returncode == 0, p.stderr
