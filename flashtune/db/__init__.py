@@ -13,7 +13,8 @@ from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, device_info, soft
 from flashtune.db.storage import Result, Storage, open_storage
 
 __all__ = ["DeviceInfo", "SoftwareInfo", "device_info", "software_info", "Result", "Storage",
-           "open_storage", "export_json", "import_json", "validate_export", "shipped_results"]
+           "open_storage", "export_json", "import_json", "validate_export", "shipped_results",
+           "ImportReport"]
 
 _EXCHANGE = ("export_json", "import_json", "validate_export", "shipped_results",
              "ImportReport")
