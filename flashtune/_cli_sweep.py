@@ -222,7 +222,7 @@ class _Watch(threading.Thread):
                      Text(f"running {n['running']}  failed {n['failed']}"),
                      Text(f"elapsed {time.strftime('%H:%M:%S', time.gmtime(time.time() - self.t0))}"
                           f"  ETA {eta}"))
-        lines = [head]
+        lines: list[Any] = [head]
         if best is not None:
             lines.append(Text(f"best so far: {best.best_tflops:.1f} TFLOP/s on {best.key.short()}"))
         for t in [t for t in tasks if t.state == "running"][:4]:
@@ -382,6 +382,16 @@ def _where(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def _db_file(url: str) -> str | None:
+    """The SQLite file of ``url`` (None for a server or memory)."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    return os.path.abspath(u.database)
 
 
 def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) -> list[str]:
@@ -631,7 +641,6 @@ def info_dict(db_url: str | None) -> dict[str, Any]:
     from flashtune import __version__
     from flashtune.db.exchange import shipped_results
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.db.rdb import database_file
     from flashtune.db.storage import open_storage, resolve_url
     from flashtune.exceptions import DatabaseMissingError
 
@@ -643,15 +652,13 @@ def info_dict(db_url: str | None) -> dict[str, Any]:
 
     dev, sw = device_info(), software_info()
     url = resolve_url(db_url)
-    exists, results, misses, path = True, [], 0, None
+    exists, results, misses = True, [], 0
     try:
         with open_storage(url, read_only=True) as st:
             results = st.results(software=sw)
             misses = sum(c for _, c, _ in st.misses())
-            path = database_file(st)
     except DatabaseMissingError:
         exists = False
-        path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
     user = _layer("user", _where(url), results)
     shipped = _layer("shipped", "flashtune/data/shipped.json", shipped_results(sw))
     return {
@@ -663,7 +670,7 @@ def info_dict(db_url: str | None) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "flashtune": __version__,
                      "torch": sw.torch, "triton": sw.triton, "cuda": sw.cuda,
                      "optuna": version("optuna"), "sqlalchemy": version("sqlalchemy")},
-        "database": {"url": _where(url), "path": path, "exists": exists},
+        "database": {"url": _where(url), "path": _db_file(url), "exists": exists},
         "entries": user["entries"], "stale": user["stale"], "misses": misses,
         "layers": [user, shipped],
     }

@@ -45,7 +45,9 @@ def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
         direction = summary.study_name.split("/")[1]
         problem = Problem.from_dict(attrs["problem"])
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        best, xs, ys = math.inf, [], []
+        best = math.inf
+        xs: list[int] = []
+        ys: list[float] = []
         for t in study.get_trials(deepcopy=False):
             if not t.user_attrs.get("measured"):
                 continue

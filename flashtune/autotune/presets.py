@@ -75,9 +75,13 @@ def _tiny() -> list[Problem]:
                     dtype="fp16", causal=c) for c in (False, True)]
 
 
+def _model(m: Model) -> Callable[[], list[Problem]]:
+    return lambda: model_problems(m)
+
+
 PRESETS: dict[str, Callable[[], list[Problem]]] = {
     "standard": _standard,
-    **{name: (lambda m=m: model_problems(m)) for name, m in MODELS.items()},
+    **{name: _model(m) for name, m in MODELS.items()},
     "tiny": _tiny,
 }
 

@@ -44,6 +44,7 @@ from flashtune.exceptions import FlashtuneError, StorageError
 
 STATES = ("pending", "running", "done", "failed")
 DEFAULT_LEASE_S = 120.0
+_PG_CREATE_LOCK = 0x66745F73776565  # advisory lock key for creating the tables ("ft_swee")
 
 
 class SweepError(FlashtuneError):
@@ -196,7 +197,11 @@ class Board:
         self.md, self.sweeps, self.claims = _tables()
         with self._errors():
             self.engine = _engine(url)
-            self.md.create_all(self.engine, checkfirst=True)
+            with self.engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    # Workers that start together would race to CREATE TABLE; one waits.
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_CREATE_LOCK})")
+                self.md.create_all(conn, checkfirst=True)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -247,11 +252,10 @@ class Board:
 
     @staticmethod
     def _insert(conn: Any) -> Callable[[Any], Any]:
-        if conn.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        return insert  # type: ignore[no-any-return]
+        """The dialect's INSERT, which has ``on_conflict_do_nothing``."""
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
     # -- claims ----------------------------------------------------------------------------
 
