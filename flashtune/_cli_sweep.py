@@ -176,27 +176,36 @@ class _Watch(threading.Thread):
 
         n = counts(tasks)
         total, settled = len(tasks), n["done"] + n["failed"]
-        if self.mode == "lines":
-            if self.first:  # a resumed sweep: say what was done before, once
-                self.first = False
-                before = [t for t in tasks if t.state in ("done", "failed")]
-                self.seen.update((t.id, t.state) for t in before)
-                if before:
-                    click.echo(f"resuming: {len(before)} of {total} problems already settled",
-                               err=True)
-            for t in tasks:
-                if t.state in ("done", "failed") and self.seen.get(t.id) != t.state:
-                    self.seen[t.id] = t.state
-                    what = (f"{_fmt(t.best_tflops, '.4g')} TFLOP/s, {t.trials} trials"
-                            if t.state == "done" else (t.note or ""))
-                    took = f", {t.finished_at - t.started_at:.0f} s" \
-                        if t.finished_at and t.started_at and t.state == "done" else ""
-                    cached = " (already tuned)" if t.note == "cached" else ""
-                    done_now = sum(1 for v in self.seen.values() if v in ("done", "failed"))
-                    click.echo(f"[{done_now}/{total}] {t.state} {t.key.short()}: {what}{took}"
-                               f"{cached}", err=True)
-        elif self.mode == "live" and self.live is not None:
+        if self.mode in ("lines", "live"):
+            for line in self._news(tasks, total):
+                if self.live is None:
+                    click.echo(line, err=True)
+                else:  # printed above the live display, which stays at the bottom
+                    self.live.console.print(line, markup=False, highlight=False)
+        if self.live is not None:
             self.live.update(self._render(tasks, n, total, settled))
+
+    def _news(self, tasks: list[Any], total: int) -> list[str]:
+        """A line per task settled since the last poll (a resumed sweep: one line first)."""
+        out = []
+        if self.first:
+            self.first = False
+            before = [t for t in tasks if t.state in ("done", "failed")]
+            self.seen.update((t.id, t.state) for t in before)
+            if before:
+                out.append(f"resuming: {len(before)} of {total} problems already settled")
+        for t in tasks:
+            if t.state in ("done", "failed") and self.seen.get(t.id) != t.state:
+                self.seen[t.id] = t.state
+                what = (f"{_fmt(t.best_tflops, '.4g')} TFLOP/s, {t.trials} trials"
+                        if t.state == "done" else (t.note or ""))
+                took = f", {t.finished_at - t.started_at:.0f} s" \
+                    if t.finished_at and t.started_at and t.state == "done" else ""
+                cached = " (already tuned)" if t.note == "cached" else ""
+                done_now = sum(1 for v in self.seen.values() if v in ("done", "failed"))
+                out.append(f"[{done_now}/{total}] {t.state} {t.key.short()}: {what}{took}"
+                           f"{cached}")
+        return out
 
     def _render(self, tasks: list[Any], n: dict[str, int], total: int, settled: int) -> Any:
         from rich.console import Group
@@ -214,20 +223,21 @@ class _Watch(threading.Thread):
             secs = sum(took) / len(took) * left / max(n["running"], 1)
             eta = time.strftime("%H:%M:%S", time.gmtime(secs))
         elif not left:
-            eta = "0:00:00"
+            eta = "00:00:00"
         head = Table.grid(padding=(0, 1))
-        head.add_row(Text(self.title, style="bold"), ProgressBar(total=total or 1,
-                     completed=settled, width=30),
-                     Text(f"{settled}/{total} problems"),
-                     Text(f"running {n['running']}  failed {n['failed']}"),
-                     Text(f"elapsed {time.strftime('%H:%M:%S', time.gmtime(time.time() - self.t0))}"
-                          f"  ETA {eta}"))
-        lines: list[Any] = [head]
+        head.add_row(Text(self.title, style="bold"),
+                     ProgressBar(total=total or 1, completed=settled, width=30),
+                     Text(f"{settled}/{total} problems"))
+        elapsed = time.strftime("%H:%M:%S", time.gmtime(time.time() - self.t0))
+        status = Text(f"running {n['running']}  failed {n['failed']}  elapsed {elapsed}  "
+                      f"ETA {eta}")
+        lines: list[Any] = [head, status]
         if best is not None:
-            lines.append(Text(f"best so far: {best.best_tflops:.1f} TFLOP/s on {best.key.short()}"))
+            lines.append(Text(f"best so far: {best.best_tflops:.4g} TFLOP/s on "
+                              f"{best.key.short()}"))
         for t in [t for t in tasks if t.state == "running"][:4]:
             lines.append(Text(f"  now: {t.key.short()}  [{_shape(t.problem)}]  trials "
-                              f"{t.trials or 0}  best {_fmt(t.best_tflops)} TFLOP/s  "
+                              f"{t.trials or 0}  best {_fmt(t.best_tflops, '.4g')} TFLOP/s  "
                               f"({t.worker})", style="cyan"))
         return Group(*lines)
 
