@@ -248,3 +248,34 @@ def test_two_hosts_share_one_postgres_sweep(pg_url: str, tmp_path: Path) -> None
 
     with open_storage(pg_url, read_only=True) as st:
         assert len(st.results()) == 2
+
+
+def test_ctrl_c_gives_the_task_back_and_exits_130(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    db = str(tmp_path / "t.db")
+    cmd = [sys.executable, "-m", "flashtune.cli", "sweep", "--interpret", "--shapes",
+           _shapes(tmp_path, [TINY]), "--direction", "fwd", "--trials", "200", "--db", db]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 90
+        running = False
+        while not running and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            if Path(db).exists():
+                with Board(f"sqlite:///{db}") as b:
+                    ids = b.sweep_ids()
+                    running = bool(ids) and b.tasks(ids[0])[0].state == "running"
+        assert running, "the sweep never started its task"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-1500:]
+    assert "run the same command again to resume" in err and "Traceback" not in err
+    with Board(f"sqlite:///{db}") as b:
+        (t,) = b.tasks(b.sweep_ids()[0])
+    assert t.state == "pending" and t.worker is None
