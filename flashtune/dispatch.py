@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["Choice", "Explanation", "explain", "preload", "reload", "flush_misses", "stats",
            "resolve", "SOURCES"]
 
+_READ_BUSY_TIMEOUT_S = 2.0  # how long the dispatcher waits on a locked database
 log = logging.getLogger(__name__)
 
 SOURCES = ("tuned", "nearest", "default")
@@ -333,7 +334,8 @@ def _read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemK
         from flashtune.exceptions import DatabaseMissingError
 
         try:
-            storage = open_storage(url, read_only=True)
+            # A locked database must not stall a training step for SQLite's 30 s default.
+            storage = open_storage(url, read_only=True, busy_timeout=_READ_BUSY_TIMEOUT_S)
         except DatabaseMissingError as e:
             if url is None:  # no database yet at the default place: the normal first run
                 log.info("flashtune: %s; using the shipped configs and heuristics", e)

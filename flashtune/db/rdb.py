@@ -103,13 +103,14 @@ def _translate(e: BaseException, where: str) -> StorageError:
     low = msg.lower()
     if "database is locked" in low or "database is busy" in low:
         return StorageError(f"{where}: the database is locked by another writer "
-                            f"(gave up after {BUSY_TIMEOUT_S:g} s)")
+                            f"(gave up waiting for it)")
     if "not a database" in low or "malformed" in low:
         return StorageError(f"{where}: not a flashtune database, or corrupt ({msg})")
     return StorageError(f"{where}: {msg}")
 
 
-def _sqlite_engine(url: Any, read_only: bool) -> Engine:
+def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None) -> Engine:
+    timeout = BUSY_TIMEOUT_S if busy_timeout is None else busy_timeout
     db = url.database
     if not db or db == ":memory:":
         engine = create_engine("sqlite://", poolclass=StaticPool,
@@ -123,10 +124,10 @@ def _sqlite_engine(url: Any, read_only: bool) -> Engine:
             uri = f"file:{quote(str(path.absolute()))}?mode=ro"
             engine = create_engine(
                 "sqlite://", creator=lambda: sqlite3.connect(
-                    uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False))
+                    uri, uri=True, timeout=timeout, check_same_thread=False))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
+            engine = create_engine(url, connect_args={"timeout": timeout})
         wal = not read_only
 
     @event.listens_for(engine, "connect")
@@ -135,7 +136,7 @@ def _sqlite_engine(url: Any, read_only: bool) -> Engine:
         # transactions cannot do BEGIN IMMEDIATE, nor transactional DDL).
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        cur.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
         cur.execute("PRAGMA foreign_keys = ON")
         if wal:
             cur.execute("PRAGMA journal_mode = WAL")
@@ -150,10 +151,10 @@ def _sqlite_engine(url: Any, read_only: bool) -> Engine:
     return engine
 
 
-def _create_engine(url_text: str, read_only: bool) -> Engine:
+def _create_engine(url_text: str, read_only: bool, busy_timeout: float | None = None) -> Engine:
     url = make_url(url_text)
     if url.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, read_only)
+        return _sqlite_engine(url, read_only, busy_timeout)
     if url.get_backend_name() != "postgresql":
         raise ArgumentError(f"{url.get_backend_name()} is not supported; use SQLite or "
                             "PostgreSQL")
@@ -197,7 +198,8 @@ def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[st
 class RDBStorage(Storage):
     """:class:`Storage` on any SQLAlchemy URL of SQLite or PostgreSQL."""
 
-    def __init__(self, url: str, *, read_only: bool = False) -> None:
+    def __init__(self, url: str, *, read_only: bool = False,
+                 busy_timeout: float | None = None) -> None:
         self.url = url
         self.read_only = read_only
         try:
@@ -209,7 +211,7 @@ class RDBStorage(Storage):
         except ArgumentError:
             raise StorageError(f"{url!r} is not a database path or SQLAlchemy URL") from None
         try:
-            self.engine = _create_engine(url, read_only)
+            self.engine = _create_engine(url, read_only, busy_timeout)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise StorageError(f"{self._where}: cannot use this URL ({_first_line(e)})") from None
         _ENGINES.add(self.engine)
