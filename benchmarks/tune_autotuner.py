@@ -122,7 +122,9 @@ def cmd_quality(args: argparse.Namespace) -> None:
     with TuneSession(compile_workers=args.workers) as sess:
         for d in args.directions.split(","):
             space = SearchSpace.full(d).restrict(**grids[d])
-            for p in QUALITY_PROBLEMS:
+            for i, p in enumerate(QUALITY_PROBLEMS):
+                if args.only and str(i) not in args.only.split(","):
+                    continue
                 n_feasible = len(space.feasible_grid(p))
                 budget = math.ceil(0.2 * n_feasible)
                 ex = tune(p, d, sampler="grid", space=space, storage="sqlite://", session=sess,
@@ -142,7 +144,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
                        "tpe_config": config_to_dict(tp.config)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                _write(Path(args.out), f"quality_{args.directions.replace(',', '_')}",
+                tag = args.directions.replace(",", "_") + args.only.replace(",", "")
+                _write(Path(args.out), f"quality_{tag}",
                        {"env": _env_info(), "timing": TIMING, "grids": grids, "rows": rows,
                         "wall_s": time.perf_counter() - t_all})
     print(f"\n{'dir':4} {'problem':26} {'feas':>4} {'ex trials':>9} {'ex s':>6} {'tpe':>4} "
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--time-budget", type=float, default=8.0)
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--only", default="", help="quality: comma-separated problem indices")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     {"parallel": cmd_parallel, "quality": cmd_quality, "vs-default": cmd_vs_default}[

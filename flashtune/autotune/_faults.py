@@ -9,7 +9,9 @@ The worker reads ``FLASHTUNE_AUTOTUNE_FAULTS`` at start: a JSON list of rules
 - ``"exit"``: ``os._exit(3)`` in the worker;
 - ``"segv"``: the worker sends itself SIGSEGV;
 - ``"hang"``: the worker sleeps forever (the per-trial timeout must fire);
-- ``"raise"``: a RuntimeError from the launcher.
+- ``"raise"``: a RuntimeError from the launcher;
+- ``"slow"``: the worker sleeps one second, then measures normally (gives a test
+  time to interrupt a tune mid-search).
 
 Nothing here is active unless the variable is set. Tests set it with
 :func:`fault_env`; the real worker subprocess does the rest.
@@ -26,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 ENV = "FLASHTUNE_AUTOTUNE_FAULTS"
-ACTIONS = ("corrupt", "exit", "segv", "hang", "raise")
+ACTIONS = ("corrupt", "exit", "segv", "hang", "raise", "slow")
 
 
 def fault_env(*rules: tuple[Mapping[str, Any], str]) -> dict[str, str]:
@@ -63,6 +65,8 @@ def crash(action: str) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(10)  # the signal is delivered asynchronously
         os._exit(139)
+    if action == "slow":
+        time.sleep(1.0)
     if action == "hang":
         while True:
             time.sleep(3600)

@@ -56,7 +56,7 @@ def _serve(conn: Connection) -> None:
         if op == "measure":
             cfg_dict = msg["config"]
             action = _faults.action_for(rules, direction, cfg_dict)
-            if action in ("exit", "segv", "hang"):
+            if action in ("exit", "segv", "hang", "slow"):
                 _faults.crash(action)
             try:
                 cfg = config_from_dict(direction, cfg_dict)

@@ -33,16 +33,24 @@ from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 # The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
 # Above this many score elements it runs on a problem with fewer batches/heads: a tile
 # config's correctness does not depend on how many (batch, head) programs there are.
-GATE_MAX_SCORES = 1 << 28
+# The reference draws its inputs on the host, so the query rows are capped as well.
+GATE_MAX_SCORES = 1 << 26
+GATE_MAX_ROWS = 1 << 16
 
 
 def gate_problem(p: Problem) -> Problem:
-    """``p``, or ``p`` with batch and then heads reduced so the reference stays small."""
+    """``p``, or ``p`` with batch and then heads reduced so the reference stays small
+    (every tile config still sees the full sequence lengths, masks and GQA ratio)."""
     per_bh = p.seqlen_q * p.seqlen_k
     batch, hq, hk = p.batch, p.heads_q, p.heads_kv
-    while batch > 1 and batch * hq * per_bh > GATE_MAX_SCORES:
+
+    def big() -> bool:
+        return (batch * hq * per_bh > GATE_MAX_SCORES
+                or batch * hq * p.seqlen_q > GATE_MAX_ROWS)
+
+    while batch > 1 and big():
         batch = max(1, batch // 2)
-    while hk > 1 and hk % 2 == 0 and batch * hq * per_bh > GATE_MAX_SCORES:
+    while hk > 1 and hk % 2 == 0 and big():
         hk //= 2
         hq //= 2
     return replace(p, batch=batch, heads_q=hq, heads_kv=hk)

@@ -27,6 +27,7 @@ import os
 import socket
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -42,7 +43,7 @@ from flashtune.kernels.config import config_from_dict, config_to_dict, default_c
 
 ProgressFn = Callable[[dict[str, Any]], None]
 SAMPLERS = ("tpe", "random", "grid")
-_MEMORY_STUDIES: dict[str, Any] = {}
+_MEMORY_STUDIES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,19 @@ def study_name(device_fp: str, software_fp: str, problem: Problem, direction: st
     return name
 
 
-def optuna_storage(url: str) -> Any:
-    """Optuna's storage for our database URL: RDB storage on the same database, or an
-    in-process in-memory storage for an in-memory SQLite URL."""
+def optuna_storage(url: str, owner: Any = None) -> Any:
+    """Optuna's storage for our database URL: RDB storage on the same database, or, for an
+    in-memory SQLite database, an in-memory Optuna storage that lives as long as
+    ``owner`` (our storage object: each in-memory database has its own studies)."""
     import optuna
 
     if url in ("sqlite://", "sqlite:///:memory:") or url.endswith(":memory:"):
-        return _MEMORY_STUDIES.setdefault(url, optuna.storages.InMemoryStorage())
+        if owner is None:
+            return optuna.storages.InMemoryStorage()
+        try:
+            return _MEMORY_STUDIES.setdefault(owner, optuna.storages.InMemoryStorage())
+        except TypeError:  # not weak-referenceable
+            return optuna.storages.InMemoryStorage()
     return optuna.storages.RDBStorage(url)
 
 
@@ -293,7 +300,7 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
     n_startup = 10 if trials is None else max(4, min(10, trials // 3))
     smp = _make_sampler(sampler, space, seed, n_startup, parallel=lookahead > 1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=name, storage=optuna_storage(url), sampler=smp,
+    study = optuna.create_study(study_name=name, storage=optuna_storage(url, storage), sampler=smp,
                                 direction="minimize", load_if_exists=True)
     if "problem" not in study.user_attrs:
         study.set_user_attr("problem", problem.as_dict())

@@ -13,6 +13,7 @@ import pytest
 from optuna.trial import TrialState
 
 from flashtune._problem import Problem
+from flashtune.autotune._faults import fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
 
@@ -21,7 +22,8 @@ ARGS = ["--interpret", "--batch", "1", "--heads", "2", "--seqlen", "32", "--head
 
 
 def _cli(db: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # Every trial sleeps 1 s in the worker, so the interruptions land mid-search.
+    env = {**os.environ, "TRITON_INTERPRET": "1", **fault_env(({}, "slow"))}
     return subprocess.Popen([sys.executable, "-c", "from flashtune.cli import main; main()", "tune",
                              "--db", db, *ARGS],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
