@@ -49,6 +49,15 @@ class SearchSpace:
             raise ValueError(f"direction must be one of {sorted(CONFIG_TYPES)}, got {direction!r}")
         return cls(direction, tuple(config_fields(CONFIG_TYPES[direction]).items()))
 
+    @classmethod
+    def subgrid(cls, direction: str, **fields: Any) -> SearchSpace:
+        """Only the named fields vary (as in :meth:`restrict`); every other field, including
+        knobs added later, stays at its config default. For experiments over a stated grid."""
+        defaults = CONFIG_TYPES[direction]()
+        fixed = {n: getattr(defaults, n) for n, _ in cls.full(direction).choices
+                 if n not in fields}
+        return cls.full(direction).restrict(**fixed, **fields)
+
     @property
     def fields(self) -> dict[str, tuple[Any, ...]]:
         return dict(self.choices)

@@ -26,7 +26,10 @@ def _cli(db: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TRITON_INTERPRET": "1", **fault_env(({}, "slow"))}
     return subprocess.Popen([sys.executable, "-c", "from flashtune.cli import main; main()", "tune",
                              "--db", db, *ARGS],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            # A background shell starts children with SIGINT ignored; Python
+                            # then installs no KeyboardInterrupt handler. Restore the default.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _measured(url: str) -> list[optuna.trial.FrozenTrial]:

@@ -63,3 +63,11 @@ def test_study_name_distinguishes_spaces_and_problems() -> None:
     assert a != study_name("dev", "sw", P, "fwd", sub, "tpe")
     assert a != study_name("dev", "sw", dataclasses.replace(P, causal=True), "fwd", full, "tpe")
     assert a != study_name("dev", "sw", P, "fwd", full, "grid")
+
+
+def test_subgrid_pins_every_other_knob_to_its_default() -> None:
+    sub = SearchSpace.subgrid("bwd", dq_block_m=(64, 128))
+    assert sub.size == 2
+    for name, vals in sub.choices:
+        if name != "dq_block_m":
+            assert vals == (getattr(BwdConfig(), name),)

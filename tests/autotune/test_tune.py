@@ -58,8 +58,8 @@ def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> Non
 
 def test_faults_fail_their_trials_and_never_get_stored(tmp_path, monkeypatch) -> None:
     # A 6-point grid, searched exhaustively, with one misbehaving config per fault kind.
-    space = SearchSpace.full("fwd").restrict(block_m=(16, 32), block_n=(16, 32, 64),
-                                             num_warps=4, num_stages=3, maxnreg=0)
+    space = SearchSpace.subgrid("fwd", block_m=(16, 32), block_n=(16, 32, 64), num_warps=4,
+                                num_stages=3)
     faults = {(16, 16): "corrupt", (16, 32): "exit", (16, 64): "hang", (32, 16): "segv"}
     monkeypatch.setenv(ENV, fault_env(*(({"block_m": m, "block_n": n}, a)
                                          for (m, n), a in faults.items()))[ENV])
@@ -88,8 +88,8 @@ def test_faults_fail_their_trials_and_never_get_stored(tmp_path, monkeypatch) ->
 
 def test_infeasible_candidates_are_pruned_with_a_reason(tmp_path) -> None:
     # Half of this space is infeasible (16 warps for a 16-row tile).
-    space = SearchSpace.full("fwd").restrict(block_m=16, block_n=(16, 32), num_warps=(16, 4),
-                                             num_stages=3, maxnreg=0)
+    space = SearchSpace.subgrid("fwd", block_m=16, block_n=(16, 32), num_warps=(16, 4),
+                                num_stages=3)
     db = tmp_path / "tuning.db"
     r = tune(TINY, "fwd", sampler="grid", space=space, storage=db, warm_start=False,
              retime_rounds=0, trials=2)
