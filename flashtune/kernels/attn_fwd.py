@@ -10,6 +10,7 @@ unmasked middle run (see ``_masking``). It writes O and the natural-log LSE.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -51,17 +52,29 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: t
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-               start_n, end_n, seq_q, seq_k, offset, left, right,
+def _load_kv(P, Pd, desc_b, desc_h, start, stride_n, offs_n, seq_k, offs_d,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, PAD_D: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        # Bulk tensor copy: rows past seq_k come back as zeros (the descriptor's bounds).
+        return Pd.load([desc_b, desc_h, start, 0]).reshape(BLOCK_N, BLOCK_D)
+    return _load_rows(P + offs_n[:, None] * stride_n, offs_n, seq_k, offs_d,
+                      HEAD_DIM, MASKED, PAD_D)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, Kd, Vd, desc_b, desc_h, stride_kn, stride_vn,
+               offs_m, offs_d, start_n, end_n, seq_q, seq_k, offset, left, right,
                qk_scale, cap_scale, cap_log2,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr):
-    # K, V point at key row 0 / column offs_d of this (batch, kv head).
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               PAD_D: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
+               MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr):
+    # K, V point at key row 0 / column offs_d of this (batch, kv head); Kd, Vd are the
+    # (B, H, S, D) tensor descriptors when USE_TMA.
     for start in tl.range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K + offs_n[:, None] * stride_kn, offs_n, seq_k, offs_d,
-                       HEAD_DIM, MASKED, PAD_D)
+        k = _load_kv(K, Kd, desc_b, desc_h, start, stride_kn, offs_n, seq_k, offs_d,
+                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, PAD_D, USE_TMA)
         s = _scores(q, k, qk_scale, cap_scale, cap_log2, SOFTCAP)
         if MASKED:
             vis = _visible(offs_m, offs_n, seq_q, seq_k, offset, left, right,
@@ -76,8 +89,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(V + offs_n[:, None] * stride_vn, offs_n, seq_k, offs_d,
-                       HEAD_DIM, MASKED, PAD_D)
+        v = _load_kv(V, Vd, desc_b, desc_h, start, stride_vn, offs_n, seq_k, offs_d,
+                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, PAD_D, USE_TMA)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
@@ -85,7 +98,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, Kd, Vd,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -95,6 +108,7 @@ def _attn_fwd_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)  # tl.dot needs every dimension >= 16
@@ -120,19 +134,21 @@ def _attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = _inner_range(pid_m * BLOCK_M, seq_k, offset, left, right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    desc_b = off_b.to(tl.int32)
+    desc_h = off_hk.to(tl.int32)
     # Left edge (window), unmasked middle, right edge (diagonal / ragged end of K).
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
-                               lo, full_lo, seq_q, seq_k, offset, left, right,
-                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
-                               True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
-                               full_lo, full_hi, seq_q, seq_k, offset, left, right,
-                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
-                               False, MASK_LEFT, MASK_RIGHT, SOFTCAP)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
-                               full_hi, hi, seq_q, seq_k, offset, left, right,
-                               qk_scale, cap_scale, cap_log2, BLOCK_N, HEAD_DIM, PAD_D,
-                               True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, Kd, Vd, desc_b, desc_h, stride_kn,
+                               stride_vn, offs_m, offs_d, lo, full_lo, seq_q, seq_k, offset, left,
+                               right, qk_scale, cap_scale, cap_log2, BLOCK_N, BLOCK_D, HEAD_DIM,
+                               PAD_D, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, Kd, Vd, desc_b, desc_h, stride_kn,
+                               stride_vn, offs_m, offs_d, full_lo, full_hi, seq_q, seq_k, offset,
+                               left, right, qk_scale, cap_scale, cap_log2, BLOCK_N, BLOCK_D,
+                               HEAD_DIM, PAD_D, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, Kd, Vd, desc_b, desc_h, stride_kn,
+                               stride_vn, offs_m, offs_d, full_hi, hi, seq_q, seq_k, offset, left,
+                               right, qk_scale, cap_scale, cap_log2, BLOCK_N, BLOCK_D, HEAD_DIM,
+                               PAD_D, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, USE_TMA)
 
     # Rows that saw no key: output 0 and LSE = +inf (so the backward's P = exp(s - lse) = 0).
     empty = l_i == 0.0
@@ -186,18 +202,43 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
     left, right, mask_left, mask_right = mask_params(causal, window)
     qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
     c = config
+    use_tma = bool(c.use_tma) and tma_ok(k, v)
+    kd, vd = (kv_descriptors(k, v, c.block_n) if use_tma else (k, v))
     grid = (triton.cdiv(sq, c.block_m), b * hq)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse,
+        q, k, v, o, lse, kd, vd,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         hq, sq, sk, left, right,
         qk_scale, cap_scale, cap_log2,
         GQA=hq // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, USE_TMA=use_tma,
         **launch_options(c.num_warps, c.num_stages, c.maxnreg),
     )
     return o, lse
+
+
+def tma_ok(*ts: torch.Tensor) -> bool:
+    """Tensor descriptors need a Hopper-class GPU (or the interpreter), a power-of-two head dim,
+    a unit inner stride and 16-byte aligned base and strides. Anything else takes the pointer
+    path (same results)."""
+    if ts[0].device.type == "cuda" and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    for t in ts:
+        d = t.shape[-1]
+        if d & (d - 1) or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[Any, Any]:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    d = k.shape[-1]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, d])
+                 for t in (k, v))  # type: ignore[return-value]
 
 
 def default_scale(head_dim: int) -> float:

@@ -48,6 +48,7 @@ class FwdConfig:
     num_warps: int = knob(4, WARPS, "warps per program")
     num_stages: int = knob(2, STAGES, "software-pipelining depth of the K/V loop")
     maxnreg: int = knob(0, MAXNREG, "register cap per thread (0 = compiler's choice)")
+    use_tma: int = knob(0, (0, 1), "load K/V through TMA tensor descriptors (Hopper+)")
 
     kind = "fwd"
 
@@ -166,6 +167,14 @@ def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
     _check_launch("fwd", c.block_m, c.num_warps)
     _check_smem("fwd", smem_fwd(c, d), smem_bytes)
     _check_regs("fwd", _regs(c.block_m, c.block_n, d, c.num_warps), c.maxnreg, c.num_warps)
+    if c.use_tma and d != p.head_dim:
+        raise InfeasibleConfigError(
+            f"fwd: use_tma needs a power-of-two head dim, got {p.head_dim}")
+    if c.use_tma and c.block_n > 64:
+        # Seen on the H200 with Triton 3.6: ptxas crashes (SIGSEGV) on every block_n=128
+        # descriptor variant (benchmarks/bench_knobs.py).
+        raise InfeasibleConfigError(
+            f"fwd: use_tma with block_n={c.block_n} crashes ptxas (allowed: block_n <= 64)")
 
 
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:

@@ -94,3 +94,12 @@ def test_smem_model_never_underestimates_an_out_of_resources_on_the_h200() -> No
             assert est > DEFAULT_SMEM_BYTES, r
         elif r["shared"] > DEFAULT_SMEM_BYTES // 2:
             assert est >= r["shared"], r
+
+
+def test_tma_knob_rules() -> None:
+    p = Problem(1, 2, 2, 1024, 1024, 128)
+    check_fwd(FwdConfig(block_m=64, block_n=64, use_tma=1), p)
+    with pytest.raises(InfeasibleConfigError, match="use_tma with block_n=128 crashes ptxas"):
+        check_fwd(FwdConfig(block_m=64, block_n=128, use_tma=1), p)
+    with pytest.raises(InfeasibleConfigError, match="power-of-two head dim, got 80"):
+        check_fwd(FwdConfig(block_m=64, block_n=64, use_tma=1), Problem(1, 2, 2, 64, 64, 80))
