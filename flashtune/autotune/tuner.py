@@ -56,9 +56,9 @@ class TuneResult:
     gate. Counts: ``trials`` reached the measurement worker (the budget counts these),
     of which ``complete`` passed the gate, ``failed`` failed it or crashed, and
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
-    rule before compiling. ``compile_seconds`` is first-launch time in the timing
-    worker (the compile on the critical path); ``pool_compile_seconds`` is the compile
-    pool's busy time.
+    rule before compiling. ``compile_seconds`` is the compile time on the critical path:
+    waiting for the compile pool plus the first launch in the timing worker (a compile,
+    or a load from Triton's cache); ``pool_compile_seconds`` is the pool's busy time.
     """
 
     problem: Problem
@@ -421,6 +421,7 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                 _, pool_err = fut.result(timeout=trial_timeout)
             except Exception:
                 session.reset_pool()
+            compile_s += time.perf_counter() - t0  # waiting for the pool is compile time
         reply = session.worker.request(
             {"op": "measure", "problem": problem_d, "direction": direction, "config": params,
              "seed": seed * 1_000_003 + trial.number, "timing": timing},
