@@ -127,6 +127,19 @@ class SearchSpace:
         point = {n: full[n] for n, _ in self.choices}
         return point if self.contains(point) else None
 
+    def neighbours(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Points one step away from ``params``: one field moved to an adjacent choice
+        (choices are ordered as declared, e.g. increasing block sizes)."""
+        out = []
+        for name, vals in self.choices:
+            if params.get(name) not in vals:
+                continue
+            i = vals.index(params[name])
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(vals):
+                    out.append({**{n: params[n] for n, _ in self.choices}, name: vals[j]})
+        return out
+
     def feasible(self, cfg: Config, problem: Problem,
                  smem_bytes: int = DEFAULT_SMEM_BYTES) -> tuple[bool, str]:
         """(True, "") or (False, the kernels' reason for rejecting ``cfg``)."""

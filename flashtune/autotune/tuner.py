@@ -11,6 +11,8 @@ Pipeline for each candidate (one Optuna trial):
    Gate failure, a run-time error, a worker death or a timeout marks the trial
    FAIL (attribute ``error``); a compile error or out-of-resources PRUNES it.
    A passing candidate COMPLETEs with its median time in ms as the value.
+   The last quarter of a trial budget first tries the incumbent's untried
+   neighbours (one field moved to an adjacent choice), then the sampler's picks.
 5. At the end the top-k distinct passing configs are re-timed, interleaved, with
    more repetitions; the fastest is the result and is written to the database.
 
@@ -329,8 +331,14 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             measured += 1
         if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.params:
             done.setdefault(_params_sig(t.params), t)
-    best = min((t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.value is not None), default=math.inf)
+    completed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                 if t.value is not None]
+    best_t = min(completed, key=lambda t: t.value, default=None)
+    best = best_t.value if best_t is not None else math.inf
+    best_params: dict[str, Any] = dict(best_t.params) if best_t is not None else {}
+    # The last quarter of a trial budget polishes the incumbent: untried feasible
+    # neighbours (one field moved to an adjacent choice) go before the sampler's picks.
+    polish_from = None if trials is None or sampler == "grid" else trials - max(1, trials // 4)
     since_best = 0
     stop_reason = ""
     infeasible = dup_streak = infeasible_streak = 0
@@ -359,9 +367,35 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             return False
         return True
 
+    def hard_stop() -> bool:
+        """Time budget or patience exhausted: queued candidates are dropped, not run."""
+        nonlocal stop_reason
+        if measured == 0:
+            return False
+        if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+            stop_reason = "time budget"
+            return True
+        if patience is not None and since_best >= patience:
+            stop_reason = f"no improvement in {patience} trials"
+            return True
+        return False
+
+    def polish_point() -> dict[str, Any] | None:
+        if polish_from is None or not best_params or measured + len(pending) < polish_from:
+            return None
+        queued = [p for _, p, _ in pending]
+        for cand in space.neighbours(best_params):
+            if (_params_sig(cand) not in done and cand not in queued
+                    and space.feasible(space.config(cand), problem)[0]):
+                return cand
+        return None
+
     def ask_one() -> bool:
         """Ask for one new candidate and queue it; False when the search should stop."""
         nonlocal infeasible, dup_streak, infeasible_streak, stop_reason
+        point = polish_point()
+        if point is not None:
+            study.enqueue_trial(point, user_attrs={"seed_source": "polish"})
         trial = study.ask()
         trial.set_user_attr("host", host)
         trial.set_user_attr("pid", pid)
@@ -413,7 +447,7 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
         return False
 
     def run_one(trial: Any, params: dict[str, Any], fut: Future[tuple[float, str]] | None) -> None:
-        nonlocal measured, best, since_best, compile_s
+        nonlocal measured, best, since_best, compile_s, best_params
         t0 = time.perf_counter()
         pool_err = ""
         if fut is not None:
@@ -446,7 +480,8 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                 since_best = 0
             else:
                 since_best += 1
-            best = min(best, value)
+            if value < best:
+                best, best_params = value, dict(params)
         elif status == "prune":
             trial.set_user_attr("pruned_reason", detail or pool_err)
             trial.set_user_attr("stage", "compile")
@@ -467,7 +502,7 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             while len(pending) < lookahead and budget_left():
                 if not ask_one():
                     break
-            if not pending:
+            if not pending or hard_stop():
                 break
             run_one(*pending[0])
             pending.popleft()

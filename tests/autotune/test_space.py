@@ -71,3 +71,11 @@ def test_subgrid_pins_every_other_knob_to_its_default() -> None:
     for name, vals in sub.choices:
         if name != "dq_block_m":
             assert vals == (getattr(BwdConfig(), name),)
+
+
+def test_neighbours_move_one_field_one_step() -> None:
+    space = SearchSpace.subgrid("fwd", block_m=(32, 64, 128), num_warps=(4, 8))
+    point = space.project({"block_m": 64, "num_warps": 4})
+    assert point is not None
+    nbrs = space.neighbours(point)
+    assert {(n["block_m"], n["num_warps"]) for n in nbrs} == {(32, 4), (128, 4), (64, 8)}

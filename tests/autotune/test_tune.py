@@ -108,3 +108,7 @@ def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
     assert time.perf_counter() - t0 < 60
     r2 = tune(TINY, "fwd", trials=3, storage=db, retime_rounds=0)
     assert r2.study_name == r1.study_name and r2.trials == 3
+    # The last quarter of the budget polishes the incumbent: a neighbour of the best so far.
+    study = optuna.load_study(study_name=r2.study_name, storage=f"sqlite:///{db}")
+    polish = [t for t in study.trials if t.user_attrs.get("seed_source") == "polish"]
+    assert len(polish) == 1 and polish[0].user_attrs.get("measured")
