@@ -354,31 +354,28 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                       "measured": measured, "budget": trials, "best_ms": best,
                       "elapsed_s": time.perf_counter() - t_start, **ev})
 
+    def out_of_time_or_patience() -> str:
+        if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+            return "time budget"
+        if patience is not None and since_best >= patience:
+            return f"no improvement in {patience} trials"
+        return ""
+
     def budget_left() -> bool:
         nonlocal stop_reason
         if trials is not None and measured + len(pending) >= trials:
             stop_reason = stop_reason or "trials"
             return False
-        if time_budget is not None and time.perf_counter() - t_start >= time_budget:
-            stop_reason = "time budget"
-            return False
-        if patience is not None and since_best >= patience:
-            stop_reason = f"no improvement in {patience} trials"
-            return False
-        return True
+        why = out_of_time_or_patience()
+        stop_reason = why or stop_reason
+        return not why
 
     def hard_stop() -> bool:
         """Time budget or patience exhausted: queued candidates are dropped, not run."""
         nonlocal stop_reason
-        if measured == 0:
-            return False
-        if time_budget is not None and time.perf_counter() - t_start >= time_budget:
-            stop_reason = "time budget"
-            return True
-        if patience is not None and since_best >= patience:
-            stop_reason = f"no improvement in {patience} trials"
-            return True
-        return False
+        why = out_of_time_or_patience() if measured else ""
+        stop_reason = why or stop_reason
+        return bool(why)
 
     def polish_point() -> dict[str, Any] | None:
         if polish_from is None or not best_params or measured + len(pending) < polish_from:
