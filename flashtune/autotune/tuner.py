@@ -13,8 +13,9 @@ Pipeline for each candidate (one Optuna trial):
    A passing candidate COMPLETEs with its median time in ms as the value.
    The last quarter of a trial budget first tries the incumbent's untried
    neighbours (one field moved to an adjacent choice), then the sampler's picks.
-5. At the end the top-k distinct passing configs are re-timed, interleaved, with
-   more repetitions; the fastest is the result and is written to the database.
+5. At the end the top-k distinct passing configs (and the heuristic default, if it
+   passed) are re-timed, interleaved, with more repetitions; the fastest is the
+   result and is written to the database.
 
 The study lives in the tuning database (Optuna's RDB storage, same URL) under a
 name built from the fingerprints and the problem, so a second ``tune()`` of the
@@ -548,6 +549,11 @@ def _finish(problem: Problem, direction: str, key: ProblemKey, study: Any, stora
             cands.append(t)
         if len(cands) >= max(top_k, 1):
             break
+    # The heuristic default joins the final re-timing whenever it passed: noise in the short
+    # search timings must not crown a config that is slower than the default.
+    dflt_t = next((t for t in ok if t.params == default_params), None)
+    if dflt_t is not None and all(c.params != dflt_t.params for c in cands) and top_k > 1:
+        cands.append(dflt_t)
     retimed: list[dict[str, Any]] = []
     winner, med, p20, p80 = cands[0], cands[0].value, None, None
     if len(cands) > 1 and retime_rounds > 0:
