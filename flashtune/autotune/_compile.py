@@ -59,13 +59,13 @@ def precompile(problem: dict[str, Any], direction: str,
 
         _compile_only()
         p = replace(Problem.from_dict(problem), batch=1)
-        cfg = config_from_dict(direction, config)
+        cfg: Any = config_from_dict(direction, config)
         dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
         q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
         k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda", dtype=dt)
         v = torch.empty_like(k)
-        kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
-                  softcap=p.softcap)
+        kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
+                                  window=p.window, softcap=p.softcap)
         if direction == "fwd":
             attn_fwd(q, k, v, config=cfg, **kw)
         else:

@@ -98,8 +98,8 @@ class Bench:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         q, k, v = (t.to(device) for t in make_inputs(p, "cpu", generator=gen))
         self.q, self.k, self.v = q, k, v
-        self.kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
-                       softcap=p.softcap)
+        self.kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
+                                       window=p.window, softcap=p.softcap)
         self._fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
         self._attn_fwd = attn_fwd
@@ -110,13 +110,14 @@ class Bench:
         import flashtune.kernels.attn_fwd as fwd_mod
 
         q, k, v, kw = self.q, self.k, self.v, self.kw
+        cfg: Any = config
         if direction == "fwd":
-            return lambda: fwd_mod.attn_fwd(q, k, v, config=config, **kw)
+            return lambda: fwd_mod.attn_fwd(q, k, v, config=cfg, **kw)
         if self._fwd_out is None:
             self._fwd_out = fwd_mod.attn_fwd(q, k, v, config=default_fwd(self.problem), **kw)
         o, lse = self._fwd_out
         do = self._do
-        return lambda: bwd_mod.attn_bwd(do, q, k, v, o, lse, config=config, **kw)
+        return lambda: bwd_mod.attn_bwd(do, q, k, v, o, lse, config=cfg, **kw)
 
     def time(self, direction: str, config: FwdConfig | BwdConfig, *, warmup_ms: float = 25,
              rep_ms: float = 100, cpu_reps: int = 3) -> Timing:

@@ -334,8 +334,9 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             done.setdefault(_params_sig(t.params), t)
     completed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                  if t.value is not None]
-    best_t = min(completed, key=lambda t: t.value, default=None)
-    best = best_t.value if best_t is not None else math.inf
+    best_t = min(completed, key=lambda t: float(t.value or 0.0), default=None)
+    best: float = float(best_t.value) if best_t is not None and best_t.value is not None \
+        else math.inf
     best_params: dict[str, Any] = dict(best_t.params) if best_t is not None else {}
     # The last quarter of a trial budget polishes the incumbent: untried feasible
     # neighbours (one field moved to an adjacent choice) go before the sampler's picks.
@@ -555,7 +556,9 @@ def _finish(problem: Problem, direction: str, key: ProblemKey, study: Any, stora
     if dflt_t is not None and all(c.params != dflt_t.params for c in cands) and top_k > 1:
         cands.append(dflt_t)
     retimed: list[dict[str, Any]] = []
-    winner, med, p20, p80 = cands[0], cands[0].value, None, None
+    winner, med = cands[0], float(cands[0].value)
+    p20: float | None = None
+    p80: float | None = None
     if len(cands) > 1 and retime_rounds > 0:
         configs = [dict(c.params) for c in cands]
         emit(event="retime", configs=configs)
@@ -576,9 +579,9 @@ def _finish(problem: Problem, direction: str, key: ProblemKey, study: Any, stora
                 default_ms = dflt[0]["median_ms"] if dflt else default_ms
         else:
             study.set_user_attr("retime_error", str(reply.get("detail", ""))[:500])
-    if p20 is None:
-        p20 = winner.user_attrs.get("p20_ms", med)
-        p80 = winner.user_attrs.get("p80_ms", med)
+    if p20 is None or p80 is None:
+        p20 = float(winner.user_attrs.get("p20_ms", med))
+        p80 = float(winner.user_attrs.get("p80_ms", med))
     cfg_dict = dict(winner.params)
     cfg = config_from_dict(direction, cfg_dict)
     full = config_to_dict(cfg)
