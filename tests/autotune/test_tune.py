@@ -112,3 +112,26 @@ def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
     study = optuna.load_study(study_name=r2.study_name, storage=f"sqlite:///{db}")
     polish = [t for t in study.trials if t.user_attrs.get("seed_source") == "polish"]
     assert len(polish) == 1 and polish[0].user_attrs.get("measured")
+
+
+def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:
+    from dataclasses import replace
+
+    from flashtune.db.fingerprint import DeviceInfo
+
+    db = tmp_path / "tuning.db"
+    here, sw = device_info(), software_info()
+    other = DeviceInfo(name="Other GPU", capability="9.0", sm_count=132, memory_gb=80)
+    near = replace(TINY, seqlen_q=64, seqlen_k=64)  # same family, next bucket
+    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                  trials=1, search_seconds=1.0)
+    with open_storage(db) as st:
+        st.put_result(other, sw, TINY.key("fwd"), {"block_m": 16, "block_n": 16}, **timing)
+        st.put_result(here, sw, near.key("fwd"), {"block_m": 32, "block_n": 16}, **timing)
+    r = tune(TINY, "fwd", trials=1, storage=db, retime_rounds=0)
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    sources = {t.user_attrs.get("seed_source"): (t.params or t.system_attrs.get("fixed_params"))
+               for t in study.trials}
+    assert {"default", "device:Other GPU", "nearest"} <= set(sources)
+    assert sources["device:Other GPU"]["block_m"] == 16
+    assert sources["nearest"]["block_m"] == 32

@@ -1,0 +1,21 @@
+"""The same pipeline on a CUDA GPU, with the compile pool (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtune._problem import Problem
+from flashtune.autotune import tune
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tune_on_gpu_with_compile_pool(tmp_path) -> None:
+    p = Problem(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=300, head_dim=64,
+                dtype="bf16", causal=True)
+    res = tune(p, "both", trials=6, storage=tmp_path / "t.db", compile_workers=2,
+               interpret=False)
+    for r in res.values():
+        assert r.stored and not r.interpreter and r.complete >= 1
+        assert r.median_ms > 0 and r.tflops > 0
+        assert r.pool_compile_seconds > 0
