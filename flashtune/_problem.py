@@ -154,5 +154,6 @@ class Problem:
         dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
         b, hq, sq, d = q.shape
         return cls(batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
-                   head_dim=d, dtype=dt, causal=bool(causal), window=tuple(window_size),
+                   head_dim=d, dtype=dt, causal=bool(causal),
+                   window=(int(window_size[0]), int(window_size[1])),
                    softcap=float(softcap))

@@ -115,8 +115,8 @@ def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
                      softcap: float) -> tuple[dict[str, float], dict[str, float]]:
     """(errors of the candidate, errors of PyTorch's own low-precision path), both against
     the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-              softcap=softcap)
+    kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
+                              window_size=window_size, softcap=softcap)
     need_grad = grads is not None
     q32, k32, v32 = (t.detach().float().requires_grad_(need_grad) for t in (q, k, v))
     ql, kl, vl = (t.detach().clone().requires_grad_(need_grad) for t in (q, k, v))
