@@ -91,5 +91,17 @@ def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
     return errs
 
 
+def case_id(c: tuple) -> str:
+    """pytest id for a (B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, layout) case."""
+    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = c
+    return (f"b{b}h{hq}k{hk}-sq{sq}sk{sk}-d{d}-{dt}-{'c' if causal else 'n'}"
+            f"-w{win[0]}_{win[1]}-cap{cap:g}-{layout}")
+
+
+def case_problem(c: tuple) -> Problem:
+    b, hq, hk, sq, sk, d, dt, causal, win, cap, _layout = c
+    return Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+
+
 def replace(cfg, **kw):  # type: ignore[no-untyped-def]
     return dataclasses.replace(cfg, **kw)

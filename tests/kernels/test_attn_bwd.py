@@ -11,7 +11,7 @@ from flashtune._problem import Problem
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd
 
-from .helpers import check_case, make_qkv, random_config
+from .helpers import case_id, case_problem, check_case, make_qkv, random_config
 
 # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, layout)
 CASES = [
@@ -26,16 +26,9 @@ CASES = [
 ]
 
 
-def _ids(c: tuple) -> str:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = c
-    return (f"b{b}h{hq}k{hk}-sq{sq}sk{sk}-d{d}-{dt}-{'c' if causal else 'n'}"
-            f"-w{win[0]}_{win[1]}-cap{cap:g}-{layout}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_backward_matches_reference(case: tuple, device: str, seed: int) -> None:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
-    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    p, layout = case_problem(case), case[-1]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     configs = [default_bwd(p)] + [random_config(BwdConfig, p, rng) for _ in range(2)]
@@ -93,10 +86,9 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
 def test_backward_gpu_realistic(case: tuple, seed: int) -> None:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
-    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    p, layout = case_problem(case), case[-1]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     for cfg in [default_bwd(p), random_config(BwdConfig, p, rng, max_block=128, max_stages=4)]:

@@ -11,7 +11,7 @@ import torch
 from flashtune._problem import Problem
 from flashtune.kernels.config import FwdConfig, default_fwd
 
-from .helpers import check_case, random_config
+from .helpers import case_id, case_problem, check_case, random_config
 
 # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, layout)
 CASES = [
@@ -28,16 +28,9 @@ CASES = [
 ]
 
 
-def _ids(c: tuple) -> str:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = c
-    return (f"b{b}h{hq}k{hk}-sq{sq}sk{sk}-d{d}-{dt}-{'c' if causal else 'n'}"
-            f"-w{win[0]}_{win[1]}-cap{cap:g}-{layout}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_forward_matches_reference(case: tuple, device: str, seed: int) -> None:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
-    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    p, layout = case_problem(case), case[-1]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     # The heuristic default plus two random feasible configs: the kernel must be right for
@@ -79,10 +72,9 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
 def test_forward_gpu_realistic(case: tuple, seed: int) -> None:
-    b, hq, hk, sq, sk, d, dt, causal, win, cap, layout = case
-    p = Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
+    p, layout = case_problem(case), case[-1]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     for cfg in [default_fwd(p), random_config(FwdConfig, p, rng, max_block=128, max_stages=4)]:
