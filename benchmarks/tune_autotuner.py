@@ -2,15 +2,15 @@
 
     python benchmarks/tune_autotuner.py parallel   --out DIR [--workers 14]
     python benchmarks/tune_autotuner.py quality    --out DIR [--directions fwd,bwd]
-    python benchmarks/tune_autotuner.py vs-default --out DIR [--time-budget 8]
+    python benchmarks/tune_autotuner.py vs-default --out DIR [--trials 40 | --time-budget S]
 
 - parallel: the same seeded TPE search (trials fixed) with N compile workers and with 1,
   each on an empty Triton cache; wall time per trial and the compile share.
 - quality: six standard-matrix problems; an exhaustive search of a stated sub-grid,
   then TPE with a budget of 20% of the sub-grid's feasible points; both winners are
   re-timed interleaved and compared.
-- vs-default: every standard-matrix shape, forward and backward: a time-budgeted tune,
-  then the winner and the heuristic default re-timed interleaved.
+- vs-default: every standard-matrix shape, forward and backward: a tune with a trial
+  or time budget, then the winner and the heuristic default re-timed interleaved.
 
 Every run uses an in-memory tuning database (nothing is stored on the host) and
 writes a JSON file with the GPU name, versions and date under --out.
@@ -97,7 +97,7 @@ def cmd_parallel(args: argparse.Namespace) -> None:
                     sess.pool.submit(p.as_dict(), d, config_to_dict(default_config(d, p))
                                      ).result()  # start the pool's processes
                 t_start = time.perf_counter() - t0
-                r = tune(p, d, trials=args.trials, storage="sqlite://", session=sess,
+                r = tune(p, d, trials=args.trials or 24, storage="sqlite://", session=sess,
                          timing=TIMING, retime_rounds=0, store=False, seed=1)
             rows.append({"direction": d, "workers": n, "trials": r.trials,
                          "infeasible": r.infeasible, "wall_s": r.search_seconds,
@@ -140,7 +140,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
                        "exhaustive_compile_share": ex.compile_seconds / ex.search_seconds,
                        "tpe_trials": tp.trials, "tpe_s": tp.search_seconds,
                        "tpe_compile_share": tp.compile_seconds / tp.search_seconds,
-                       "tpe_infeasible": tp.infeasible, "exhaustive_ms": ms[0], "tpe_ms": ms[1],
+                       "tpe_infeasible": tp.infeasible, "tpe_winner_source": tp.winner_source,
+                       "exhaustive_ms": ms[0], "tpe_ms": ms[1],
                        "gap": ms[1] / ms[0] - 1, "exhaustive_config": config_to_dict(ex.config),
                        "tpe_config": config_to_dict(tp.config)}
                 rows.append(row)
@@ -160,18 +161,21 @@ def cmd_quality(args: argparse.Namespace) -> None:
 
 def cmd_vs_default(args: argparse.Namespace) -> None:
     rows = []
+    trials = args.trials if args.trials or args.time_budget else 40
     probs = standard_matrix()
     if args.limit:
         probs = probs[: args.limit]
     with TuneSession(compile_workers=args.workers) as sess:
         for d in args.directions.split(","):
             for p in probs:
-                r = tune(p, d, time_budget=args.time_budget, storage="sqlite://", session=sess,
-                         timing=TIMING, store=False, retime_rounds=3, seed=args.seed)
+                r = tune(p, d, trials=trials, time_budget=args.time_budget,
+                         storage="sqlite://", session=sess, timing=TIMING, store=False,
+                         retime_rounds=3, seed=args.seed)
                 dflt = config_to_dict(default_config(d, p))
                 ms = _retime(sess, p, d, [config_to_dict(r.config), dflt])
                 row = {"direction": d, "problem": _label(p), "gqa": p.gqa_ratio,
-                       "trials": r.trials, "search_s": r.search_seconds, "tuned_ms": ms[0],
+                       "trials": r.trials, "search_s": r.search_seconds,
+                       "winner_source": r.winner_source, "tuned_ms": ms[0],
                        "default_ms": ms[1], "speedup": ms[1] / ms[0],
                        "tflops": p.flops(d) / (ms[0] * 1e-3) / 1e12,
                        "config": config_to_dict(r.config)}
@@ -196,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--workers", type=int, default=14, help="compile workers")
     ap.add_argument("--directions", default="fwd,bwd")
-    ap.add_argument("--trials", type=int, default=24)
-    ap.add_argument("--time-budget", type=float, default=8.0)
+    ap.add_argument("--trials", type=int, default=None,
+                    help="parallel: trials per run (24); vs-default: trials per shape")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="vs-default: seconds per shape (default: 40 trials, no time limit)")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--only", default="", help="quality: comma-separated problem indices")
     ap.add_argument("--seed", type=int, default=0)

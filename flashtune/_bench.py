@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,6 +76,74 @@ def time_fn(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100
     times.sort()
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
     return Timing(statistics.median(times), q[0], q[3], interpreter=True)
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of ``xs`` with linear interpolation, as do_bench reports them."""
+    t = torch.tensor(xs, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
+               rep_ms: float = 100, cpu_reps: int = 3) -> tuple[Timing, list[float]]:
+    """Time launches that run back to back as one unit: the whole, and each part in it.
+
+    The whole follows the house protocol of :func:`time_fn` (do_bench's: a 5-run
+    estimate, ``warmup_ms`` of warmup, then ``rep_ms`` of repetitions with L2 flushed
+    before each); CUDA events recorded between the parts give each part's median over
+    the same repetitions. Returns (Timing of the whole, [median ms of each part]).
+    Under the CPU interpreter both come from the host clock and are labelled so.
+    """
+    if not parts:
+        raise ValueError("time_parts needs at least one launch")
+
+    def whole() -> None:
+        for f in parts:
+            f()
+
+    if not torch.cuda.is_available():
+        whole()
+        per: list[list[float]] = [[] for _ in parts]
+        tot: list[float] = []
+        for _ in range(max(cpu_reps, 1)):
+            stamps = [time.perf_counter()]
+            for f in parts:
+                f()
+                stamps.append(time.perf_counter())
+            tot.append((stamps[-1] - stamps[0]) * 1e3)
+            for i in range(len(parts)):
+                per[i].append((stamps[i + 1] - stamps[i]) * 1e3)
+        med, p20, p80 = _quantiles(tot)
+        return Timing(med, p20, p80, interpreter=True), [_quantiles(x)[0] for x in per]
+
+    whole()
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(5):
+        flush.zero_()
+        whole()
+    t1.record()
+    torch.cuda.synchronize()
+    estimate = max(t0.elapsed_time(t1) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        whole()
+    n_rep = max(1, int(rep_ms / estimate))
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
+              for _ in range(n_rep)]
+    for ev in events:
+        flush.zero_()
+        ev[0].record()
+        for f, e in zip(parts, ev[1:], strict=True):
+            f()
+            e.record()
+    torch.cuda.synchronize()
+    tot = [ev[0].elapsed_time(ev[-1]) for ev in events]
+    per = [[ev[i].elapsed_time(ev[i + 1]) for ev in events] for i in range(len(parts))]
+    med, p20, p80 = _quantiles(tot)
+    return Timing(med, p20, p80), [_quantiles(x)[0] for x in per]
 
 
 def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,

@@ -9,7 +9,9 @@ nothing of it, so each piece can be tested alone:
 - :class:`Bench` times a config with ``flashtune._bench.time_fn`` (do_bench median
   with an L2 flush after warmup on CUDA; a host-clock loop under the interpreter,
   labelled as such). A backward config is timed as the backward launcher alone, on a
-  forward output made once with the heuristic default.
+  forward output made once with the heuristic default, with
+  ``flashtune._bench.time_parts``: the same protocol for the whole, plus the median
+  of each of its three launches (preprocess, dK/dV, dQ), which the tuner recombines.
 - :func:`classify` sorts an exception into "prune" (the candidate cannot compile or
   does not fit: out of resources) or "error"; :func:`poisons_context` says whether the
   CUDA context is unusable afterwards (illegal address and friends), in which case
@@ -21,12 +23,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from flashtune._bench import Timing, make_inputs, time_fn
+from flashtune._bench import Timing, make_inputs, time_fn, time_parts
 from flashtune._problem import Problem
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 
@@ -104,6 +106,15 @@ class Bench:
         self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
         self._attn_fwd = attn_fwd
 
+    def _bwd_args(self) -> tuple[torch.Tensor, ...]:
+        import flashtune.kernels.attn_fwd as fwd_mod
+
+        if self._fwd_out is None:
+            self._fwd_out = fwd_mod.attn_fwd(self.q, self.k, self.v,
+                                             config=default_fwd(self.problem), **self.kw)
+        o, lse = self._fwd_out
+        return self._do, self.q, self.k, self.v, o, lse
+
     def fn(self, direction: str, config: FwdConfig | BwdConfig) -> Callable[[], Any]:
         """A zero-argument launch of ``config`` (the forward, or the backward launcher)."""
         import flashtune.kernels.attn_bwd as bwd_mod
@@ -113,16 +124,28 @@ class Bench:
         cfg: Any = config
         if direction == "fwd":
             return lambda: fwd_mod.attn_fwd(q, k, v, config=cfg, **kw)
-        if self._fwd_out is None:
-            self._fwd_out = fwd_mod.attn_fwd(q, k, v, config=default_fwd(self.problem), **kw)
-        o, lse = self._fwd_out
-        do = self._do
-        return lambda: bwd_mod.attn_bwd(do, q, k, v, o, lse, config=cfg, **kw)
+        args = self._bwd_args()
+        return lambda: bwd_mod.attn_bwd(*args, config=cfg, **kw)
 
     def time(self, direction: str, config: FwdConfig | BwdConfig, *, warmup_ms: float = 25,
              rep_ms: float = 100, cpu_reps: int = 3) -> Timing:
-        return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,
-                       cpu_reps=cpu_reps)
+        return self.time_with_parts(direction, config, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                    cpu_reps=cpu_reps)[0]
+
+    def time_with_parts(self, direction: str, config: FwdConfig | BwdConfig, *,
+                        warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3,
+                        ) -> tuple[Timing, dict[str, float]]:
+        """The timing, and for the backward the median ms of each launch by part name."""
+        if direction == "fwd":
+            return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                           cpu_reps=cpu_reps), {}
+        from flashtune.kernels.attn_bwd import bwd_steps
+
+        cfg: Any = config
+        _, steps = bwd_steps(*self._bwd_args(), config=cfg, **self.kw)
+        tm, per = time_parts([f for _, f in steps], warmup_ms=warmup_ms, rep_ms=rep_ms,
+                             cpu_reps=cpu_reps)
+        return tm, {name: ms for (name, _), ms in zip(steps, per, strict=True)}
 
 
 @dataclass
@@ -142,9 +165,10 @@ class Measurement:
     time_s: float = 0.0
     interpreter: bool = False
     poisoned: bool = False
+    parts_ms: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "parts_ms": dict(self.parts_ms)}
 
 
 def _sync() -> None:
@@ -167,7 +191,8 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
             return Measurement("gate", max_error=cmp.max_error, ratio=cmp.ratio,
                                detail=f"correctness gate failed: {cmp.detail}",
                                compile_s=t1 - t0, gate_s=t2 - t1, interpreter=interp)
-        tm = bench.time(direction, config, warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_reps=cpu_reps)
+        tm, parts = bench.time_with_parts(direction, config, warmup_ms=warmup_ms,
+                                          rep_ms=rep_ms, cpu_reps=cpu_reps)
     except Exception as e:  # every failure of a candidate is data, never fatal
         kind = classify(e)
         return Measurement(kind, detail=f"{type(e).__name__}: {str(e)[:500]}",
@@ -178,7 +203,7 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
         return Measurement("error", detail=f"non-finite timing {tm}", interpreter=interp)
     return Measurement("ok", tm.median_ms, tm.p20_ms, tm.p80_ms, cmp.max_error, cmp.ratio,
                        cmp.detail, compile_s=t1 - t0, gate_s=t2 - t1, time_s=t3 - t2,
-                       interpreter=tm.interpreter)
+                       interpreter=tm.interpreter, parts_ms=parts)
 
 
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,

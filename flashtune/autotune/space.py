@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from flashtune.kernels.config import (
     BwdConfig,
     FwdConfig,
     config_fields,
+    config_parts,
     is_feasible,
 )
 
@@ -139,6 +140,49 @@ class SearchSpace:
                 if 0 <= j < len(vals):
                     out.append({**{n: params[n] for n, _ in self.choices}, name: vals[j]})
         return out
+
+    @property
+    def parts(self) -> dict[str, list[str]]:
+        """``{launch: the fields that affect only it}`` for a config launched as several
+        kernels (the backward); empty when the config is one launch."""
+        out: dict[str, list[str]] = {}
+        for name, part in config_parts(CONFIG_TYPES[self.direction]).items():
+            if part is not None and name in self.fields:
+                out.setdefault(part, []).append(name)
+        return out if len(out) > 1 else {}
+
+    def compose(self, records: Iterable[tuple[Mapping[str, Any], Mapping[str, float]]],
+                ) -> list[tuple[float, dict[str, Any]]]:
+        """Recombine measured configs part by part, best predicted first.
+
+        ``records`` are (params, {part: median ms}) of configs that ran. The launches of a
+        multi-kernel config run one after another and each depends only on its own
+        fields, so its time is close to the sum of its parts' times. Among records that
+        agree on the shared fields, the fastest setting of each part is taken; the
+        result is ``[(predicted ms, params), ...]``, one per shared-field setting.
+        """
+        parts = self.parts
+        if not parts:
+            return []
+        owned = {f for fs in parts.values() for f in fs}
+        shared = [n for n, _ in self.choices if n not in owned]
+        groups: dict[tuple[Any, ...], dict[str, tuple[float, dict[str, Any]]]] = {}
+        for params, times in records:
+            if not self.contains(params) or any(p not in times for p in parts):
+                continue
+            best = groups.setdefault(tuple(params[n] for n in shared), {})
+            for part, fs in parts.items():
+                t = float(times[part])
+                if part not in best or t < best[part][0]:
+                    best[part] = (t, {f: params[f] for f in fs})
+        out = []
+        for key, best in groups.items():
+            point = dict(zip(shared, key, strict=True))
+            for _, fields in best.values():
+                point.update(fields)
+            out.append((sum(t for t, _ in best.values()),
+                        {n: point[n] for n, _ in self.choices}))
+        return sorted(out, key=lambda x: x[0])
 
     def feasible(self, cfg: Config, problem: Problem,
                  smem_bytes: int = DEFAULT_SMEM_BYTES) -> tuple[bool, str]:

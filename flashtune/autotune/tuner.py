@@ -11,8 +11,14 @@ Pipeline for each candidate (one Optuna trial):
    Gate failure, a run-time error, a worker death or a timeout marks the trial
    FAIL (attribute ``error``); a compile error or out-of-resources PRUNES it.
    A passing candidate COMPLETEs with its median time in ms as the value.
-   The last quarter of a trial budget first tries the incumbent's untried
-   neighbours (one field moved to an adjacent choice), then the sampler's picks.
+   A backward trial also records the time of each of its three launches. Once the
+   sampler's random start-up trials are in, a recombined candidate goes first
+   whenever one is predicted faster than the incumbent: the best measured setting
+   of each launch's own fields, put together (the launches run one after another,
+   so their times add up; see :meth:`SearchSpace.compose`).
+   The last quarter of a trial budget (with only a time budget: everything after
+   twice the start-up trials) next tries the incumbent's untried neighbours (one
+   field moved to an adjacent choice), then the sampler's picks.
 5. At the end the top-k distinct passing configs (and the heuristic default, if it
    passed) are re-timed, interleaved, with more repetitions; the fastest is the
    result and is written to the database.
@@ -59,7 +65,9 @@ class TuneResult:
     gate. Counts: ``trials`` reached the measurement worker (the budget counts these),
     of which ``complete`` passed the gate, ``failed`` failed it or crashed, and
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
-    rule before compiling. ``compile_seconds`` is the compile time on the critical path:
+    rule before compiling. ``winner_source`` says where the winner came from: "sampler",
+    a warm-start seed ("default", "stale", "nearest", "device:NAME"), "compose",
+    "polish" or "grid". ``compile_seconds`` is the compile time on the critical path:
     waiting for the compile pool plus the first launch in the timing worker (a compile,
     or a load from Triton's cache); ``pool_compile_seconds`` is the pool's busy time.
     """
@@ -90,6 +98,7 @@ class TuneResult:
     device: str
     interpreter: bool
     retimed: list[dict[str, Any]] = field(default_factory=list)
+    winner_source: str = "sampler"
 
     @property
     def speedup_over_default(self) -> float:
@@ -326,12 +335,15 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
 
     # Tallies over the whole study (resume continues from stored trials).
     done: dict[tuple[Any, ...], Any] = {}
+    part_times: dict[tuple[Any, ...], tuple[dict[str, Any], dict[str, float]]] = {}
     measured = 0
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("measured"):
             measured += 1
         if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.params:
             done.setdefault(_params_sig(t.params), t)
+        if t.state == TrialState.COMPLETE and t.user_attrs.get("parts_ms"):
+            part_times[_params_sig(t.params)] = (dict(t.params), dict(t.user_attrs["parts_ms"]))
     completed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                  if t.value is not None]
     best_t = min(completed, key=lambda t: float(t.value or 0.0), default=None)
@@ -340,7 +352,12 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
     best_params: dict[str, Any] = dict(best_t.params) if best_t is not None else {}
     # The last quarter of a trial budget polishes the incumbent: untried feasible
     # neighbours (one field moved to an adjacent choice) go before the sampler's picks.
-    polish_from = None if trials is None or sampler == "grid" else trials - max(1, trials // 4)
+    if sampler == "grid":
+        polish_from = None
+    elif trials is None:
+        polish_from = 2 * n_startup
+    else:
+        polish_from = trials - max(1, trials // 4)
     since_best = 0
     stop_reason = ""
     infeasible = dup_streak = infeasible_streak = 0
@@ -389,12 +406,30 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
                 return cand
         return None
 
+    def compose_point() -> dict[str, Any] | None:
+        if sampler == "grid" or not space.parts or measured < n_startup:
+            return None
+        incumbent = part_times.get(_params_sig(best_params))
+        if incumbent is None:
+            return None
+        limit = sum(incumbent[1].values()) * (1 - 2e-3)
+        queued = [p for _, p, _ in pending]
+        for predicted, cand in space.compose(part_times.values()):
+            if predicted >= limit:
+                break
+            if (_params_sig(cand) not in done and cand not in queued
+                    and space.feasible(space.config(cand), problem)[0]):
+                return cand
+        return None
+
     def ask_one() -> bool:
         """Ask for one new candidate and queue it; False when the search should stop."""
         nonlocal infeasible, dup_streak, infeasible_streak, stop_reason
-        point = polish_point()
+        point, source = compose_point(), "compose"
+        if point is None:
+            point, source = polish_point(), "polish"
         if point is not None:
-            study.enqueue_trial(point, user_attrs={"seed_source": "polish"})
+            study.enqueue_trial(point, user_attrs={"seed_source": source})
         trial = study.ask()
         trial.set_user_attr("host", host)
         trial.set_user_attr("pid", pid)
@@ -473,6 +508,10 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             trial.set_user_attr("p20_ms", float(reply["p20_ms"]))
             trial.set_user_attr("p80_ms", float(reply["p80_ms"]))
             trial.set_user_attr("interpreter", bool(reply.get("interpreter")))
+            parts = {k: float(v) for k, v in (reply.get("parts_ms") or {}).items()}
+            if parts and all(math.isfinite(v) and v >= 0 for v in parts.values()):
+                trial.set_user_attr("parts_ms", parts)
+                part_times[_params_sig(params)] = (dict(params), parts)
             study.tell(trial, value)
             done[_params_sig(params)] = study._storage.get_trial(trial._trial_id)
             if value < best * (1 - 5e-3):
@@ -604,7 +643,8 @@ def _finish(problem: Problem, direction: str, key: ProblemKey, study: Any, stora
         infeasible=infeasible, search_seconds=seconds, compile_seconds=compile_s,
         pool_compile_seconds=pool_s, worker_restarts=session.worker.restarts, stored=stored,
         stop_reason=stop_reason, study_name=study.study_name, storage_url=url,
-        device=device.name, interpreter=session.interpret, retimed=retimed)
+        device=device.name, interpreter=session.interpret, retimed=retimed,
+        winner_source=str(winner.user_attrs.get("seed_source", "sampler")))
     emit(event="done", result=res)
     return res
 

@@ -9,6 +9,9 @@ bit-identical from run to run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -245,20 +248,23 @@ def _attn_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
-def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
-             window: tuple[int, int], softcap: float, config: BwdConfig,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) in the inputs' layouts."""
+BwdStep = tuple[str, Callable[[], Any]]
+BWD_PARTS = ("pre", "dkdv", "dq")
+
+
+def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
+              window: tuple[int, int], softcap: float, config: BwdConfig,
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
+    """The backward as three launches, in order: ``[("pre", f), ("dkdv", f), ("dq", f)]``,
+    and the (dq, dk, dv) buffers they fill. Each launch depends only on the config
+    fields of its own part (``BwdConfig`` field metadata), so the tuner can time the
+    parts separately and recombine the best of each."""
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     c = config
     block_d = padded_head_dim(d)
     delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
-        o, do, delta, *o.stride(), *do.stride(), hq, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m,
-    )
     lse = lse.contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -267,18 +273,41 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
     common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
                   MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(sk, c.dkdv_block_n), b * hk)](
-        q, k, v, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        hk, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-        BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
-        **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
-    )
-    _attn_bwd_dq_kernel[(triton.cdiv(sq, c.dq_block_m), b * hq)](
-        q, k, v, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        hq, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-        BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
-        **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
-    )
-    return dq, dk, dv
+
+    def pre() -> None:
+        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
+            o, do, delta, *o.stride(), *do.stride(), hq, sq,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m,
+        )
+
+    def dkdv() -> None:
+        _attn_bwd_dkdv_kernel[(triton.cdiv(sk, c.dkdv_block_n), b * hk)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            hk, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
+            BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
+            **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
+        )
+
+    def dq_() -> None:
+        _attn_bwd_dq_kernel[(triton.cdiv(sq, c.dq_block_m), b * hq)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            hq, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
+            BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
+            **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
+        )
+
+    return (dq, dk, dv), [("pre", pre), ("dkdv", dkdv), ("dq", dq_)]
+
+
+def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
+             window: tuple[int, int], softcap: float, config: BwdConfig,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) in the inputs' layouts."""
+    grads, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                             window=window, softcap=softcap, config=config)
+    for _, launch in steps:
+        launch()
+    return grads

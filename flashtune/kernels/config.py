@@ -35,8 +35,10 @@ _REG_BUDGET = 224
 _REG_OVERHEAD = 64
 
 
-def knob(default: Any, choices: tuple[Any, ...], doc: str) -> Any:
-    return field(default=default, metadata={"choices": choices, "doc": doc})
+def knob(default: Any, choices: tuple[Any, ...], doc: str, part: str | None = None) -> Any:
+    """A config field: its allowed values, a doc line and, for a config launched as several
+    kernels, the launch (``part``) it alone affects (None: it affects every launch)."""
+    return field(default=default, metadata={"choices": choices, "doc": doc, "part": part})
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,15 @@ class BwdConfig:
     """Backward: a dK/dV kernel (keys held, loop over queries) and a dQ kernel (queries held,
     loop over keys), each with its own tile and launch knobs, plus the delta preprocess."""
 
-    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step")
-    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program")
-    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program")
-    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth")
-    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program")
-    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step")
-    dq_warps: int = knob(4, WARPS, "dQ: warps per program")
-    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth")
-    pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program")
+    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv")
+    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program", "dkdv")
+    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program", "dkdv")
+    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth", "dkdv")
+    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program", "dq")
+    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq")
+    dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq")
+    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq")
+    pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program", "pre")
     maxnreg: int = knob(0, MAXNREG, "register cap per thread for both kernels (0 = compiler)")
 
     kind = "bwd"
@@ -78,6 +80,11 @@ CONFIG_TYPES: dict[str, type] = {"fwd": FwdConfig, "bwd": BwdConfig}
 def config_fields(cls: type) -> dict[str, tuple[Any, ...]]:
     """``{field name: allowed values}`` for a config type: the search space, as data."""
     return {f.name: f.metadata["choices"] for f in dataclasses.fields(cls)}
+
+
+def config_parts(cls: type) -> dict[str, str | None]:
+    """``{field name: the launch it affects}`` (None: shared by every launch)."""
+    return {f.name: f.metadata.get("part") for f in dataclasses.fields(cls)}
 
 
 def config_to_dict(cfg: FwdConfig | BwdConfig) -> dict[str, int]:

@@ -79,3 +79,58 @@ def test_neighbours_move_one_field_one_step() -> None:
     assert point is not None
     nbrs = space.neighbours(point)
     assert {(n["block_m"], n["num_warps"]) for n in nbrs} == {(32, 4), (128, 4), (64, 8)}
+
+
+def test_parts_group_the_backward_fields_by_launch() -> None:
+    assert SearchSpace.full("fwd").parts == {}
+    parts = SearchSpace.full("bwd").parts
+    assert set(parts) == {"pre", "dkdv", "dq"}
+    assert all(f.startswith(p) for p, fs in parts.items() for f in fs)
+    owned = {f for fs in parts.values() for f in fs}
+    assert set(config_fields(BwdConfig)) - owned == {"maxnreg"}  # shared by both kernels
+    # Parts are the launches whose fields a space holds, even with those fields pinned.
+    assert set(SearchSpace.subgrid("bwd", dq_block_n=(16, 32)).parts) == {"pre", "dkdv", "dq"}
+    assert SearchSpace.full("fwd").compose([({"block_m": 64}, {"fwd": 1.0})]) == []
+
+
+def test_compose_finds_the_optimum_of_an_additive_cost_from_few_records() -> None:
+    import random
+
+    space = SearchSpace.subgrid("bwd", dkdv_block_m=(16, 32, 64), dkdv_block_n=(32, 64, 128),
+                                dq_block_n=(16, 32, 64), dq_warps=(4, 8), maxnreg=(0, 128))
+    rng = random.Random(1234)
+    parts = space.parts
+    cost: dict[tuple, float] = {}
+
+    def part_cost(part: str, params: dict) -> float:
+        key = (part, *(params[f] for f in parts[part]), params["maxnreg"])
+        return cost.setdefault(key, rng.uniform(0.1, 1.0))
+
+    def times(params: dict) -> dict[str, float]:
+        return {part: part_cost(part, params) for part in parts}
+
+    grid = list(space.grid())
+    truth = min(grid, key=lambda g: sum(times(g).values()))
+    # Records: every part setting seen (per maxnreg) in few configs: each dK/dV setting
+    # paired with two dQ settings in turn, not crossed with all six; the optimum itself
+    # is left out, so it can only be found by recombining.
+    dk = [g for g in grid if g["dq_block_n"] == 16 and g["dq_warps"] == 4]
+    dq = [g for g in grid if g["dkdv_block_m"] == 16 and g["dkdv_block_n"] == 32]
+    records = []
+    seen: dict[int, int] = {}
+    for g in dk:
+        i = seen[g["maxnreg"]] = seen.get(g["maxnreg"], -1) + 1
+        mates = [d for d in dq if d["maxnreg"] == g["maxnreg"]]
+        for mate in (mates[i % 6], mates[(i + 1) % 6]):
+            p = {**g, "dq_block_n": mate["dq_block_n"], "dq_warps": mate["dq_warps"]}
+            if p != truth:
+                records.append((p, times(p)))
+    assert len(records) < len(grid) // 3
+    ranked = space.compose(records)
+    assert len(ranked) == 2  # one candidate per maxnreg setting
+    predicted, best = ranked[0]
+    assert best == truth
+    assert predicted == pytest.approx(sum(times(truth).values()))
+    assert ranked[1][0] >= predicted
+    # Records without part times (or outside the space) are ignored, not guessed at.
+    assert space.compose([(truth, {"dq": 0.1})]) == []

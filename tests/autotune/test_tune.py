@@ -53,6 +53,10 @@ def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> Non
     # The study is in the same database, readable by plain Optuna (and optuna-dashboard).
     names = optuna.get_all_study_names(f"sqlite:///{db}")
     assert sorted(n.split("/")[1] for n in names) == ["bwd", "fwd"]
+    # Backward trials carry each launch's time (what the recombination step reads).
+    study = optuna.load_study(study_name=res["bwd"].study_name, storage=f"sqlite:///{db}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert done and all(set(t.user_attrs["parts_ms"]) == {"pre", "dkdv", "dq"} for t in done)
     assert {e["event"] for e in events} >= {"trial", "done"}
 
 

@@ -1,0 +1,59 @@
+"""The backward timed launch by launch: the parts the tuner recombines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtune._bench import time_parts
+from flashtune._problem import Problem
+from flashtune.autotune.measure import Bench
+from flashtune.kernels.attn_bwd import BWD_PARTS, attn_bwd, bwd_steps
+from flashtune.kernels.config import BwdConfig, default_fwd
+
+P = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=56, head_dim=32,
+            dtype="bf16", causal=True)
+
+
+def test_steps_in_order_are_the_backward(device: str, seed: int) -> None:
+    bench = Bench(P, device, seed=seed)
+    args = bench._bwd_args()
+    cfg = BwdConfig(dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16)
+    whole = attn_bwd(*args, config=cfg, **bench.kw)
+    grads, steps = bwd_steps(*args, config=cfg, **bench.kw)
+    assert [name for name, _ in steps] == list(BWD_PARTS)
+    for _, launch in steps:
+        launch()
+    for a, b in zip(whole, grads, strict=True):
+        assert torch.equal(a, b)  # the backward is deterministic: same launches, same bits
+
+
+def test_backward_timing_reports_each_launch(device: str, seed: int) -> None:
+    bench = Bench(P, device, seed=seed)
+    tm, parts = bench.time_with_parts("bwd", BwdConfig(dkdv_block_n=32, dq_block_m=32),
+                                      warmup_ms=1, rep_ms=5, cpu_reps=1)
+    assert list(parts) == list(BWD_PARTS)
+    assert all(ms > 0 for ms in parts.values())
+    assert tm.interpreter == (device == "cpu")
+    # One repetition: the whole is exactly its parts back to back (host clock); on a GPU
+    # the medians of the parts add up to the whole's within the gaps between launches.
+    rel = 1e-9 if device == "cpu" else 0.15
+    assert sum(parts.values()) == pytest.approx(tm.median_ms, rel=rel)
+    fwd_tm, fwd_parts = bench.time_with_parts("fwd", default_fwd(P), warmup_ms=1, rep_ms=5,
+                                              cpu_reps=1)
+    assert fwd_parts == {} and fwd_tm.median_ms > 0
+
+
+def test_time_parts_needs_a_launch() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        time_parts([])
+
+
+@pytest.mark.gpu
+def test_time_parts_on_gpu_separates_unequal_launches() -> None:
+    a = torch.randn(4096, 4096, device="cuda")
+    small, big = (lambda: a[:512] @ a[:, :512]), (lambda: a @ a)
+    tm, (t_small, t_big) = time_parts([small, big], warmup_ms=5, rep_ms=50)
+    assert t_big > 4 * t_small > 0
+    assert t_small + t_big == pytest.approx(tm.median_ms, rel=0.1)
+    assert not tm.interpreter
