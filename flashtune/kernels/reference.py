@@ -108,15 +108,55 @@ class Comparison:
         return f"Comparison(ok={self.ok}, max_error={self.max_error:.3g}, ratio={self.ratio:.3g})"
 
 
+# Above this many score elements per call, the reference runs in (batch, KV-head) slices:
+# autograd keeps several fp32 copies of the scores, which at S=16k would fill a GPU.
+REF_CHUNK_SCORES = 1 << 28
+
+
 def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
                      out: torch.Tensor, lse: torch.Tensor,
                      grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *,
                      causal: bool, softmax_scale: float | None, window_size: tuple[int, int],
                      softcap: float) -> tuple[dict[str, float], dict[str, float]]:
     """(errors of the candidate, errors of PyTorch's own low-precision path), both against
-    the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv."""
+    the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv.
+
+    Large problems are checked slice by slice (one batch entry and a group of KV heads
+    with their query heads at a time); every error is a max, so the result is the same.
+    """
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap)
+    b, hq, sq = q.shape[:3]
+    hk, sk = k.shape[1], k.shape[2]
+    group = hq // hk
+    if b * hq * sq * sk <= REF_CHUNK_SCORES:
+        return _errors_one(q, k, v, do, out, lse, grads, kw)
+    step = max(1, REF_CHUNK_SCORES // (group * sq * sk))
+    errs: dict[str, float] = {}
+    terrs: dict[str, float] = {}
+    for bi in range(b):
+        for h0 in range(0, hk, step):
+            h1 = min(hk, h0 + step)
+
+            def qs(t: torch.Tensor) -> torch.Tensor:
+                return t[bi:bi + 1, h0 * group:h1 * group]  # noqa: B023 - used at once
+
+            def ks(t: torch.Tensor) -> torch.Tensor:
+                return t[bi:bi + 1, h0:h1]  # noqa: B023 - used at once
+
+            g = None if grads is None else (qs(grads[0]), ks(grads[1]), ks(grads[2]))
+            e, te = _errors_one(qs(q), ks(k), ks(v), None if do is None else qs(do),
+                                qs(out), qs(lse), g, kw)
+            for name in e:
+                errs[name] = max(errs.get(name, 0.0), e[name])
+                terrs[name] = max(terrs.get(name, 0.0), te[name])
+    return errs, terrs
+
+
+def _errors_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
+                out: torch.Tensor, lse: torch.Tensor,
+                grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                kw: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
     need_grad = grads is not None
     q32, k32, v32 = (t.detach().float().requires_grad_(need_grad) for t in (q, k, v))
     ql, kl, vl = (t.detach().clone().requires_grad_(need_grad) for t in (q, k, v))
