@@ -184,6 +184,34 @@ class SearchSpace:
                         {n: point[n] for n, _ in self.choices}))
         return sorted(out, key=lambda x: x[0])
 
+    def part_setting(self, part: str, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        """What identifies one launch's timing: its own fields and the shared ones."""
+        owned = {f for fs in self.parts.values() for f in fs}
+        return (part, *(params[n] for n, _ in self.choices
+                        if n not in owned or n in self.parts[part]))
+
+    def part_moves(self, base: Mapping[str, Any], tried: set[tuple[Any, ...]],
+                   ) -> dict[str, Any] | None:
+        """``base`` with every launch's fields moved one step (one field to an adjacent
+        choice) to a setting of that launch not in ``tried`` (:meth:`part_setting`
+        values), all launches at once: one trial then explores a neighbour of each
+        launch, since each launch is timed on its own. None when no launch has an
+        untried neighbour."""
+        if not self.parts:
+            return None
+        point = {n: base[n] for n, _ in self.choices}
+        moved = False
+        for part, fields in self.parts.items():
+            for cand in self.neighbours(base):
+                changed = [n for n in fields if cand[n] != base[n]]
+                if not changed or any(cand[n] != base[n] for n in cand if n not in fields):
+                    continue
+                if self.part_setting(part, cand) not in tried:
+                    point.update({n: cand[n] for n in fields})
+                    moved = True
+                    break
+        return point if moved else None
+
     def feasible(self, cfg: Config, problem: Problem,
                  smem_bytes: int = DEFAULT_SMEM_BYTES) -> tuple[bool, str]:
         """(True, "") or (False, the kernels' reason for rejecting ``cfg``)."""

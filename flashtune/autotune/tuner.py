@@ -396,11 +396,49 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
         stop_reason = why or stop_reason
         return bool(why)
 
+    skipped_parts: set[tuple[Any, ...]] = set()
+
+    def usable(cand: dict[str, Any], queued: list[dict[str, Any]]) -> bool:
+        return (_params_sig(cand) not in done and cand not in queued
+                and space.feasible(space.config(cand), problem)[0])
+
+    def part_polish_point(queued: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """A neighbour of every launch's best setting at once (backward only)."""
+        ranked = space.compose(part_times.values())
+        base = ranked[0][1] if ranked else best_params
+        tried = {space.part_setting(part, prm) for prm in
+                 [r[0] for r in part_times.values()] + queued for part in space.parts}
+        for _ in range(50):
+            cand = space.part_moves(base, tried | skipped_parts)
+            if cand is None:
+                return None
+            if usable(cand, queued):
+                return cand
+            # The moves do not fit together: try each launch's move alone, and drop a
+            # move that does not fit even alone.
+            for part, fields in space.parts.items():
+                if any(cand[f] != base[f] for f in fields):
+                    alone = {**base, **{f: cand[f] for f in fields}}
+                    if usable(alone, queued):
+                        return alone
+                    skipped_parts.add(space.part_setting(part, alone))
+        return None
+
     def polish_point() -> dict[str, Any] | None:
         if polish_from is None or not best_params or measured + len(pending) < polish_from:
             return None
         queued = [p for _, p, _ in pending]
+        owned: set[str] = set()
+        if space.parts:
+            cand = part_polish_point(queued)
+            if cand is not None:
+                return cand
+            # A new mix of launch settings already timed is the recombination's job;
+            # plain polishing is left with the fields every launch shares.
+            owned = {f for fs in space.parts.values() for f in fs}
         for cand in space.neighbours(best_params):
+            if any(cand[f] != best_params[f] for f in owned):
+                continue
             if (_params_sig(cand) not in done and cand not in queued
                     and space.feasible(space.config(cand), problem)[0]):
                 return cand

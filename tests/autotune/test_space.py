@@ -134,3 +134,32 @@ def test_compose_finds_the_optimum_of_an_additive_cost_from_few_records() -> Non
     assert ranked[1][0] >= predicted
     # Records without part times (or outside the space) are ignored, not guessed at.
     assert space.compose([(truth, {"dq": 0.1})]) == []
+
+
+def test_part_moves_step_every_launch_to_an_untried_neighbour() -> None:
+    space = SearchSpace.subgrid("bwd", dkdv_block_m=(16, 32, 64), dkdv_warps=(4, 8),
+                                dq_block_n=(16, 32, 64), maxnreg=(0, 128))
+    base = space.project({"dkdv_block_m": 32, "dkdv_warps": 4, "dq_block_n": 32})
+    assert base is not None
+    tried = {space.part_setting(part, base) for part in space.parts}
+    cand = space.part_moves(base, tried)
+    assert cand is not None
+    # One trial moves one field of dK/dV and one of dQ, never a shared field (maxnreg).
+    assert (cand["dkdv_block_m"], cand["dkdv_warps"]) in {(16, 4), (64, 4), (32, 8)}
+    assert cand["dq_block_n"] in (16, 64)
+    assert cand["maxnreg"] == base["maxnreg"] and cand["pre_block_m"] == base["pre_block_m"]
+    # Tried settings are skipped; a launch with none left stays put while the other moves.
+    seen = set(tried)
+    for _ in range(2):
+        assert cand is not None
+        seen |= {space.part_setting(part, cand) for part in space.parts}
+        cand = space.part_moves(base, seen)
+    assert cand is not None and cand["dq_block_n"] == base["dq_block_n"]
+    assert (cand["dkdv_block_m"], cand["dkdv_warps"]) != (base["dkdv_block_m"], 4)
+    seen |= {space.part_setting(part, cand) for part in space.parts}
+    assert space.part_moves(base, seen) is None
+    # The same launch setting under another shared value is a different setting.
+    other = {**base, "maxnreg": 128}
+    assert space.part_setting("dq", other) != space.part_setting("dq", base)
+    assert space.part_moves(other, seen) is not None
+    assert SearchSpace.full("fwd").part_moves({}, set()) is None

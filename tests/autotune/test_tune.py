@@ -139,3 +139,31 @@ def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:
     assert {"default", "device:Other GPU", "nearest"} <= set(sources)
     assert sources["device:Other GPU"]["block_m"] == 16
     assert sources["nearest"]["block_m"] == 32
+
+
+def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
+    db = tmp_path / "tuning.db"
+    space = SearchSpace.subgrid("bwd", dkdv_block_m=(16, 32), dkdv_block_n=(16, 32),
+                                dkdv_warps=(2, 4, 8), dq_block_m=(16, 32),
+                                dq_block_n=(16, 32), dq_warps=(2, 4, 8))
+    r = tune(TINY, "bwd", trials=8, storage=db, space=space, retime_rounds=0, seed=3)
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert len(measured) == 8 == r.trials
+    # The last quarter polishes (unless a recombination is predicted faster): each polish
+    # trial is new, and at least one launch of it is in a setting no earlier trial ran
+    # (the point of timing launches separately).
+    sources = [t.user_attrs.get("seed_source") for t in measured]
+    assert set(sources[-2:]) <= {"polish", "compose"}
+    polish = [t for t in measured if t.user_attrs.get("seed_source") == "polish"]
+    for t in polish:
+        earlier = [e for e in measured if e.number < t.number]
+        assert all(e.params != t.params for e in earlier)
+        assert any(all(space.part_setting(part, e.params) != space.part_setting(part, t.params)
+                       for e in earlier) for part in space.parts)
+    # A recombined candidate, when one was made, is the best parts of earlier trials.
+    for t in measured:
+        if t.user_attrs.get("seed_source") == "compose":
+            earlier = [(e.params, e.user_attrs["parts_ms"]) for e in measured
+                       if e.number < t.number and "parts_ms" in e.user_attrs]
+            assert t.params in [c for _, c in space.compose(earlier)]
