@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,15 @@ def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]]
     return [t["median_ms"] for t in reply["timings"]]
 
 
+def _trial_log(log: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
+    """A progress callback that keeps every measured trial (the landscape a search saw)."""
+    def cb(ev: dict[str, Any]) -> None:
+        if ev.get("event") == "trial":
+            log.append({k: ev.get(k) for k in ("number", "status", "config", "value_ms",
+                                               "parts_ms", "source")})
+    return cb
+
+
 def _write(out: Path, name: str, data: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
@@ -128,11 +138,14 @@ def cmd_quality(args: argparse.Namespace) -> None:
                     continue
                 n_feasible = len(space.feasible_grid(p))
                 budget = math.ceil(0.2 * n_feasible)
+                ex_log: list[dict[str, Any]] = []
+                tp_log: list[dict[str, Any]] = []
                 ex = tune(p, d, sampler="grid", space=space, storage="sqlite://", session=sess,
-                          timing=TIMING, store=False, warm_start=False, retime_rounds=3)
+                          timing=TIMING, store=False, warm_start=False, retime_rounds=3,
+                          progress=_trial_log(ex_log))
                 tp = tune(p, d, sampler="tpe", space=space, trials=budget,
                           storage="sqlite://", session=sess, timing=TIMING, store=False,
-                          retime_rounds=3, seed=args.seed)
+                          retime_rounds=3, seed=args.seed, progress=_trial_log(tp_log))
                 ms = _retime(sess, p, d, [config_to_dict(ex.config), config_to_dict(tp.config)])
                 row = {"direction": d, "problem": _label(p), "grid": space.size,
                        "feasible": n_feasible, "exhaustive_trials": ex.trials,
@@ -143,9 +156,11 @@ def cmd_quality(args: argparse.Namespace) -> None:
                        "tpe_infeasible": tp.infeasible, "tpe_winner_source": tp.winner_source,
                        "exhaustive_ms": ms[0], "tpe_ms": ms[1],
                        "gap": ms[1] / ms[0] - 1, "exhaustive_config": config_to_dict(ex.config),
-                       "tpe_config": config_to_dict(tp.config)}
+                       "tpe_config": config_to_dict(tp.config),
+                       "exhaustive_trials_log": ex_log, "tpe_trials_log": tp_log}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if not k.endswith("_log")}),
+                      flush=True)
                 tag = args.directions.replace(",", "_") + args.only.replace(",", "")
                 _write(Path(args.out), f"quality_{tag}",
                        {"env": _env_info(), "timing": TIMING, "grids": grids, "rows": rows,

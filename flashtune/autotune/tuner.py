@@ -571,7 +571,8 @@ def _tune_one(problem: Problem, direction: str, *, storage: Any, device: Any, so
             done[_params_sig(params)] = study._storage.get_trial(trial._trial_id)
             since_best += 1
         emit(event="trial", number=trial.number, status=status, config=params,
-             value_ms=reply.get("median_ms"), detail=detail)
+             value_ms=reply.get("median_ms"), parts_ms=reply.get("parts_ms") or {},
+             source=trial.user_attrs.get("seed_source", "sampler"), detail=detail)
 
     try:
         while True:
