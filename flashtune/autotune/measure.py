@@ -209,11 +209,14 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,
            rounds: int = 5, warmup_ms: float = 25, rep_ms: float = 100,
            cpu_reps: int = 3) -> list[Timing]:
-    """Time each config ``rounds`` times, interleaved (c0 c1 c2 c0 c1 c2 ...), so drift in
-    clocks or temperature hits every candidate alike. Returns the median over rounds."""
+    """Time each config ``rounds`` times, interleaved and in alternating order
+    (c0 c1 c2, c2 c1 c0, c0 c1 c2, ...), so drift in clocks or temperature, and any
+    effect of going first or last, hits every candidate alike. Returns the median
+    over rounds."""
     per: list[list[Timing]] = [[] for _ in configs]
-    for _ in range(max(rounds, 1)):
-        for i, c in enumerate(configs):
+    for r in range(max(rounds, 1)):
+        order = list(enumerate(configs))
+        for i, c in (order if r % 2 == 0 else order[::-1]):
             per[i].append(bench.time(direction, c, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                      cpu_reps=cpu_reps))
     out = []

@@ -128,17 +128,23 @@ class SearchSpace:
         point = {n: full[n] for n, _ in self.choices}
         return point if self.contains(point) else None
 
-    def neighbours(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Points one step away from ``params``: one field moved to an adjacent choice
-        (choices are ordered as declared, e.g. increasing block sizes)."""
+    def neighbours(self, params: Mapping[str, Any], radius: int = 1,
+                   among: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Points ``radius`` steps away from ``params``: that many fields (of ``among``,
+        default all) each moved to an adjacent choice (choices are ordered as declared,
+        e.g. increasing block sizes)."""
+        names = [n for n, vals in self.choices if len(vals) > 1 and params.get(n) in vals
+                 and (among is None or n in among)]
+        base = {n: params[n] for n, _ in self.choices}
         out = []
-        for name, vals in self.choices:
-            if params.get(name) not in vals:
-                continue
-            i = vals.index(params[name])
-            for j in (i - 1, i + 1):
-                if 0 <= j < len(vals):
-                    out.append({**{n: params[n] for n, _ in self.choices}, name: vals[j]})
+        for moved in itertools.combinations(names, radius):
+            steps = []
+            for n in moved:
+                vals = self.fields[n]
+                i = vals.index(params[n])
+                steps.append([vals[j] for j in (i - 1, i + 1) if 0 <= j < len(vals)])
+            for values in itertools.product(*steps):
+                out.append({**base, **dict(zip(moved, values, strict=True))})
         return out
 
     @property
@@ -150,6 +156,12 @@ class SearchSpace:
             if part is not None and name in self.fields:
                 out.setdefault(part, []).append(name)
         return out if len(out) > 1 else {}
+
+    @property
+    def shared(self) -> list[str]:
+        """The fields that affect every launch (all of them for a one-launch config)."""
+        owned = {f for fs in self.parts.values() for f in fs}
+        return [n for n, _ in self.choices if n not in owned]
 
     def compose(self, records: Iterable[tuple[Mapping[str, Any], Mapping[str, float]]],
                 ) -> list[tuple[float, dict[str, Any]]]:
@@ -164,8 +176,7 @@ class SearchSpace:
         parts = self.parts
         if not parts:
             return []
-        owned = {f for fs in parts.values() for f in fs}
-        shared = [n for n, _ in self.choices if n not in owned]
+        shared = self.shared
         groups: dict[tuple[Any, ...], dict[str, tuple[float, dict[str, Any]]]] = {}
         for params, times in records:
             if not self.contains(params) or any(p not in times for p in parts):
@@ -186,26 +197,22 @@ class SearchSpace:
 
     def part_setting(self, part: str, params: Mapping[str, Any]) -> tuple[Any, ...]:
         """What identifies one launch's timing: its own fields and the shared ones."""
-        owned = {f for fs in self.parts.values() for f in fs}
-        return (part, *(params[n] for n, _ in self.choices
-                        if n not in owned or n in self.parts[part]))
+        own = set(self.parts[part]) | set(self.shared)
+        return (part, *(params[n] for n, _ in self.choices if n in own))
 
     def part_moves(self, base: Mapping[str, Any], tried: set[tuple[Any, ...]],
-                   ) -> dict[str, Any] | None:
-        """``base`` with every launch's fields moved one step (one field to an adjacent
-        choice) to a setting of that launch not in ``tried`` (:meth:`part_setting`
-        values), all launches at once: one trial then explores a neighbour of each
-        launch, since each launch is timed on its own. None when no launch has an
-        untried neighbour."""
+                   radius: int = 1) -> dict[str, Any] | None:
+        """``base`` with every launch's fields moved ``radius`` steps (as in
+        :meth:`neighbours`) to a setting of that launch not in ``tried``
+        (:meth:`part_setting` values), all launches at once: one trial then explores a
+        neighbour of each launch, since each launch is timed on its own. None when no
+        launch has an untried setting at that distance."""
         if not self.parts:
             return None
         point = {n: base[n] for n, _ in self.choices}
         moved = False
         for part, fields in self.parts.items():
-            for cand in self.neighbours(base):
-                changed = [n for n in fields if cand[n] != base[n]]
-                if not changed or any(cand[n] != base[n] for n in cand if n not in fields):
-                    continue
+            for cand in self.neighbours(base, radius, among=fields):
                 if self.part_setting(part, cand) not in tried:
                     point.update({n: cand[n] for n in fields})
                     moved = True

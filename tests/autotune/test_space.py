@@ -79,6 +79,10 @@ def test_neighbours_move_one_field_one_step() -> None:
     assert point is not None
     nbrs = space.neighbours(point)
     assert {(n["block_m"], n["num_warps"]) for n in nbrs} == {(32, 4), (128, 4), (64, 8)}
+    two = space.neighbours(point, radius=2)
+    assert {(n["block_m"], n["num_warps"]) for n in two} == {(32, 8), (128, 8)}
+    only = space.neighbours(point, among=["num_warps"])
+    assert [(n["block_m"], n["num_warps"]) for n in only] == [(64, 8)]
 
 
 def test_parts_group_the_backward_fields_by_launch() -> None:

@@ -112,10 +112,18 @@ def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
     assert time.perf_counter() - t0 < 60
     r2 = tune(TINY, "fwd", trials=3, storage=db, retime_rounds=0)
     assert r2.study_name == r1.study_name and r2.trials == 3
-    # The last quarter of the budget polishes the incumbent: a neighbour of the best so far.
+    # After the first 40% of the budget the search polishes: each polish trial is an
+    # untried neighbour (one or two fields one step away) of the best trial before it.
     study = optuna.load_study(study_name=r2.study_name, storage=f"sqlite:///{db}")
-    polish = [t for t in study.trials if t.user_attrs.get("seed_source") == "polish"]
-    assert len(polish) == 1 and polish[0].user_attrs.get("measured")
+    space = SearchSpace.full("fwd")
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    polish = [t for t in measured if t.user_attrs.get("seed_source") == "polish"]
+    assert len(polish) == 1 and polish[0].number == measured[-1].number  # trial 3 of 3
+    for t in polish:
+        before = [e for e in measured if e.number < t.number]
+        incumbent = min(before, key=lambda e: e.value).params
+        near = space.neighbours(incumbent, 1) + space.neighbours(incumbent, 2)
+        assert t.params in near and all(e.params != t.params for e in before)
 
 
 def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:
@@ -161,6 +169,12 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
         assert all(e.params != t.params for e in earlier)
         assert any(all(space.part_setting(part, e.params) != space.part_setting(part, t.params)
                        for e in earlier) for part in space.parts)
+    # A trial that beat the incumbent was timed twice more and kept the median of three.
+    confirmed = [t for t in measured if "confirm_ms" in t.user_attrs]
+    assert confirmed or min(measured, key=lambda t: t.value).number == measured[0].number
+    for t in confirmed:
+        three = sorted([t.user_attrs["first_ms"], *t.user_attrs["confirm_ms"]])
+        assert t.value == pytest.approx(three[1])
     # A recombined candidate, when one was made, is the best parts of earlier trials.
     for t in measured:
         if t.user_attrs.get("seed_source") == "compose":

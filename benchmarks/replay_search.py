@@ -1,0 +1,134 @@
+"""Replay the tuner's search against recorded landscapes, on the CPU, with no GPU.
+
+    python benchmarks/replay_search.py benchmarks/data/quality_landscapes_h200.json \
+        [--seeds 20] [--noise 0.005] [--workers 14]
+
+A landscape is every point of a quality sub-grid measured once on the GPU (the
+exhaustive search of ``tune_autotuner.py quality``, kept with the launch times of
+each backward point). The replay runs the real ``tune()`` (sampler, warm start,
+recombination, polishing, final re-timing) against a worker that answers each
+measurement from the landscape with multiplicative log-normal noise, and a
+compile pool that is always done, so the search sees the lookahead it has on the GPU.
+It reports how often the search's winner is within 2% of the landscape's best.
+
+This is for studying search strategies between GPU runs: the acceptance figures in
+BENCHMARKS.md come from ``tune_autotuner.py quality`` on the GPU, never from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+from concurrent.futures import Future
+from typing import Any
+
+from flashtune._problem import Problem
+from flashtune.autotune import SearchSpace, TuneSession, tune
+
+
+def _sig(cfg: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(cfg.items()))
+
+
+class ReplayWorker:
+    """Answers the tuner's worker requests from a landscape."""
+
+    restarts = 0
+
+    def __init__(self, table: dict[tuple[Any, ...], dict[str, Any]], noise: float,
+                 rng: random.Random):
+        self.table, self.noise, self.rng = table, noise, rng
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _draw(self, cfg: dict[str, Any], noise: float) -> tuple[float, dict[str, float]] | None:
+        rec = self.table.get(_sig(cfg))
+        if rec is None:
+            return None
+        parts = {k: v * math.exp(self.rng.gauss(0.0, noise))
+                 for k, v in (rec.get("parts_ms") or {}).items()}
+        total = (sum(parts.values()) * rec["value_ms"] / sum(rec["parts_ms"].values())
+                 if parts else rec["value_ms"] * math.exp(self.rng.gauss(0.0, noise)))
+        return total, parts
+
+    def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if msg["op"] == "measure":
+            got = self._draw(msg["config"], self.noise)
+            if got is None:
+                return {"status": "prune", "detail": "not in the recorded landscape"}
+            ms, parts = got
+            return {"status": "ok", "median_ms": ms, "p20_ms": ms, "p80_ms": ms,
+                    "parts_ms": parts, "compile_s": 0.0, "max_error": 0.0, "ratio": 0.0}
+        timings = []
+        for cfg in msg["configs"]:  # retime: more repetitions, less noise
+            draws = [self._draw(cfg, self.noise / 2) for _ in range(max(msg["rounds"], 1))]
+            ms = statistics.median(d[0] for d in draws if d is not None)
+            timings.append({"median_ms": ms, "p20_ms": ms, "p80_ms": ms, "interpreter": False})
+        return {"status": "ok", "timings": timings}
+
+
+class DonePool:
+    """A compile pool whose every compile is already finished."""
+
+    busy_seconds = 0.0
+
+    def submit(self, *args: Any) -> Future[tuple[float, str]]:
+        f: Future[tuple[float, str]] = Future()
+        f.set_result((0.0, ""))
+        return f
+
+    def close(self) -> None:
+        pass
+
+
+class ReplaySession(TuneSession):
+    def __init__(self, worker: ReplayWorker, workers: int):
+        self.interpret = False
+        self.compile_workers = workers
+        self.worker = worker  # type: ignore[assignment]
+        self._pool = DonePool() if workers else None  # type: ignore[assignment]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("landscapes")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--noise", type=float, default=0.005, help="log-normal sigma per trial")
+    ap.add_argument("--workers", type=int, default=14, help="lookahead (compile workers)")
+    ap.add_argument("--budget", type=float, default=0.2, help="share of the feasible grid")
+    args = ap.parse_args()
+    data = json.loads(open(args.landscapes).read())
+    grids = data["grids"]
+    print(f"{'dir':4} {'problem':28} {'trials':>6} {'within 2%':>9} {'mean gap':>8} "
+          f"{'worst':>7}")
+    total_ok = total = 0
+    for land in data["landscapes"]:
+        d = land["direction"]
+        space = SearchSpace.subgrid(d, **grids[d])
+        problem = Problem.from_dict(land["problem"])
+        pts = [t for t in land["trials"] if t["status"] == "ok"]
+        table = {_sig(t["config"]): t for t in pts}
+        best = min(t["value_ms"] for t in pts)
+        budget = math.ceil(args.budget * len(space.feasible_grid(problem)))
+        gaps = []
+        for seed in range(args.seeds):
+            worker = ReplayWorker(table, args.noise, random.Random(seed))
+            r = tune(problem, d, trials=budget, space=space, storage="sqlite://", seed=seed,
+                     session=ReplaySession(worker, args.workers), store=False, retime_rounds=3)
+            gaps.append(table[_sig(dict(r.config.__dict__))]["value_ms"] / best - 1)
+        ok = sum(g <= 0.02 for g in gaps)
+        total_ok, total = total_ok + ok, total + len(gaps)
+        print(f"{d:4} {land['label']:28} {budget:>6} {ok:>4}/{len(gaps):<4} "
+              f"{statistics.mean(gaps):>+8.1%} {max(gaps):>+7.1%}")
+    print(f"within 2% of the best: {total_ok}/{total}")
+
+
+if __name__ == "__main__":
+    main()
