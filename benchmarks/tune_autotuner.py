@@ -88,6 +88,8 @@ def _trial_log(log: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
         if ev.get("event") == "trial":
             log.append({k: ev.get(k) for k in ("number", "status", "config", "value_ms",
                                                "parts_ms", "source")})
+            if ev.get("status") != "ok":
+                log[-1]["detail"] = str(ev.get("detail", ""))[:300]
     return cb
 
 
@@ -189,15 +191,16 @@ def cmd_quality(args: argparse.Namespace) -> None:
 def cmd_vs_default(args: argparse.Namespace) -> None:
     rows = []
     trials = args.trials if args.trials or args.time_budget else 40
-    probs = standard_matrix()
+    probs = standard_matrix()[args.start:]
     if args.limit:
         probs = probs[: args.limit]
     with TuneSession(compile_workers=args.workers) as sess:
         for d in args.directions.split(","):
             for p in probs:
+                log: list[dict[str, Any]] = []
                 r = tune(p, d, trials=trials, time_budget=args.time_budget,
                          storage="sqlite://", session=sess, timing=TIMING, store=False,
-                         retime_rounds=3, seed=args.seed)
+                         retime_rounds=3, seed=args.seed, progress=_trial_log(log))
                 dflt = config_to_dict(default_config(d, p))
                 ms = _retime(sess, p, d, [config_to_dict(r.config), dflt])
                 row = {"direction": d, "problem": _label(p), "gqa": p.gqa_ratio,
@@ -205,10 +208,12 @@ def cmd_vs_default(args: argparse.Namespace) -> None:
                        "winner_source": r.winner_source, "tuned_ms": ms[0],
                        "default_ms": ms[1], "speedup": ms[1] / ms[0],
                        "tflops": p.flops(d) / (ms[0] * 1e-3) / 1e12,
-                       "config": config_to_dict(r.config)}
+                       "config": config_to_dict(r.config),
+                       "not_ok": [t for t in log if t["status"] != "ok"]}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-                _write(Path(args.out), f"vs_default_{args.directions.replace(',', '_')}",
+                print(json.dumps({k: v for k, v in row.items() if k != "not_ok"}), flush=True)
+                _write(Path(args.out),
+                       f"vs_default_{args.directions.replace(',', '_')}_from{args.start}",
                        {"env": _env_info(), "timing": TIMING, "rows": rows})
     print(f"\n{'dir':4} {'problem':28} {'trials':>6} {'tuned ms':>9} {'default ms':>10} "
           f"{'speedup':>7} {'TFLOP/s':>7}")
@@ -231,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="parallel: trials per run (24); vs-default: trials per shape")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="vs-default: seconds per shape (default: 40 trials, no time limit)")
-    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0,
+                    help="vs-default: first standard-matrix shape (index)")
+    ap.add_argument("--limit", type=int, default=0, help="vs-default: at most this many shapes")
     ap.add_argument("--only", default="", help="quality: comma-separated problem indices")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
