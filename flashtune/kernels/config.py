@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import triton
+
 from flashtune._problem import Problem
 from flashtune.exceptions import InfeasibleConfigError
 
@@ -24,6 +26,10 @@ WARPS = (1, 2, 4, 8, 16)
 STAGES = (1, 2, 3, 4, 5, 6)
 # 0 means "let the compiler choose". Otherwise a per-thread register cap (multiple of 8).
 MAXNREG = (0, 128, 168, 200, 232, 255)
+
+# (major, minor) of the Triton that builds the kernels: some compiler bugs are version-bound.
+TRITON_VERSION: tuple[int, int] = tuple(  # type: ignore[assignment]
+    int(x) for x in triton.__version__.split(".")[:2])
 
 # Shared memory per block the estimate must fit. Hopper allows 227 KiB per block; this is
 # the default when the device cannot be asked (CPU interpreter).
@@ -177,11 +183,14 @@ def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
     if c.use_tma and d != p.head_dim:
         raise InfeasibleConfigError(
             f"fwd: use_tma needs a power-of-two head dim, got {p.head_dim}")
-    if c.use_tma and c.block_n > 64:
-        # Seen on the H200 with Triton 3.6: ptxas crashes (SIGSEGV) on every block_n=128
-        # descriptor variant (benchmarks/bench_knobs.py).
+    if c.use_tma and c.num_stages == 2 and c.block_m >= 64 and TRITON_VERSION < (3, 7):
+        # The ptxas bundled with Triton 3.6 crashes (SIGSEGV) on these descriptor kernels;
+        # the ones of Triton 3.7-3.9 build them. Mapped without a GPU by
+        # benchmarks/probe_ptxas.py (data: benchmarks/data/ptxas_tma_triton36.jsonl).
         raise InfeasibleConfigError(
-            f"fwd: use_tma with block_n={c.block_n} crashes ptxas (allowed: block_n <= 64)")
+            f"fwd: use_tma with num_stages=2 and block_m={c.block_m} crashes ptxas in Triton "
+            f"{'.'.join(map(str, TRITON_VERSION))} (allowed: another num_stages, block_m < 64, "
+            f"or Triton >= 3.7)")
 
 
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:

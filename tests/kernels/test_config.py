@@ -9,6 +9,7 @@ import pytest
 
 from flashtune._problem import Problem
 from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels import config
 from flashtune.kernels.config import (
     DEFAULT_SMEM_BYTES,
     BwdConfig,
@@ -20,12 +21,14 @@ from flashtune.kernels.config import (
     config_to_dict,
     default_bwd,
     default_fwd,
+    is_feasible,
     smem_dkdv,
     smem_dq,
     smem_fwd,
 )
 
-PROBE = pathlib.Path(__file__).parents[2] / "benchmarks" / "data" / "probe_h200.jsonl"
+DATA = pathlib.Path(__file__).parents[2] / "benchmarks" / "data"
+PROBE = DATA / "probe_h200.jsonl"
 
 
 def test_every_field_declares_its_choices_and_default_is_among_them() -> None:
@@ -96,10 +99,40 @@ def test_smem_model_never_underestimates_an_out_of_resources_on_the_h200() -> No
             assert est >= r["shared"], r
 
 
-def test_tma_knob_rules() -> None:
+def test_tma_knob_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     p = Problem(1, 2, 2, 1024, 1024, 128)
-    check_fwd(FwdConfig(block_m=64, block_n=64, use_tma=1), p)
-    with pytest.raises(InfeasibleConfigError, match="use_tma with block_n=128 crashes ptxas"):
-        check_fwd(FwdConfig(block_m=64, block_n=128, use_tma=1), p)
+    tma = {"use_tma": 1, "block_n": 64}
+    monkeypatch.setattr(config, "TRITON_VERSION", (3, 6))
+    check_fwd(FwdConfig(block_m=64, num_stages=3, **tma), p)
+    check_fwd(FwdConfig(block_m=32, num_stages=2, **tma), p)
+    check_fwd(FwdConfig(block_m=64, num_stages=2, use_tma=0), p)
+    with pytest.raises(InfeasibleConfigError, match="num_stages=2 and block_m=64 crashes ptxas"):
+        check_fwd(FwdConfig(block_m=64, num_stages=2, **tma), p)
+    monkeypatch.setattr(config, "TRITON_VERSION", (3, 7))
+    check_fwd(FwdConfig(block_m=64, num_stages=2, **tma), p)
     with pytest.raises(InfeasibleConfigError, match="power-of-two head dim, got 80"):
         check_fwd(FwdConfig(block_m=64, block_n=64, use_tma=1), Problem(1, 2, 2, 64, 64, 80))
+
+
+def test_tma_rule_matches_ptxas_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every forward TMA config whose build crashed Triton 3.6's ptxas (recorded without a
+    GPU by benchmarks/probe_ptxas.py) is rejected under 3.6; every one that built is kept."""
+    path = DATA / "ptxas_tma_triton36.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["triton"].startswith("3.6")
+    recs = lines[1:]
+    monkeypatch.setattr(config, "TRITON_VERSION", (3, 6))
+    crashed = kept_ok = 0
+    for r in recs:
+        cfg = FwdConfig(block_m=r["bm"], block_n=r["bn"], num_warps=r["warps"],
+                        num_stages=r["stages"], use_tma=1)
+        ok, why = is_feasible(cfg, Problem(1, 2, 2, 256, 256, r["d"], causal=r["causal"]))
+        if r["result"].startswith("ptxas crash"):
+            assert not ok, r
+            crashed += 1
+        elif r["result"] == "ok":
+            kept_ok += ok
+    assert crashed > 50
+    # Over-rejection is allowed (the rule is coarse) but must stay small.
+    n_ok = sum(r["result"] == "ok" for r in recs)
+    assert kept_ok >= 0.95 * n_ok, (kept_ok, n_ok)
