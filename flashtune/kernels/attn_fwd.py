@@ -29,6 +29,13 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
 
 
+@triton.jit
+def _scores(q, k, qk_scale, cap_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """q @ k^T mapped to log2-domain softmax logits (with optional tanh soft-capping)."""
+    qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        return _tanh(qk * cap_scale) * cap_log2
+    return qk * qk_scale
 
 
 @triton.jit
@@ -68,26 +75,18 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Kd, Vd, desc_b, desc_h, stride_kn, stride
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_kv(K, Kd, desc_b, desc_h, start, stride_kn, offs_n, seq_k, offs_d,
                      BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, PAD_D, USE_TMA)
-        # Logits in the log2 domain are s * scale. The scale is applied inside the exp2's
-        # argument (one FMA per score) rather than as a separate pass over the tile; the
-        # row max commutes with it because scale > 0.
-        s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = _tanh(s * cap_scale) * cap_log2
-            scale = 1.0
-        else:
-            scale = qk_scale
+        s = _scores(q, k, qk_scale, cap_scale, cap_log2, SOFTCAP)
         if MASKED:
             vis = _visible(offs_m, offs_n, seq_q, seq_k, offset, left, right,
                            MASK_LEFT, MASK_RIGHT)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN).
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.exp2(s * scale - m_use[:, None])
+        p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv(V, Vd, desc_b, desc_h, start, stride_vn, offs_n, seq_k, offs_d,

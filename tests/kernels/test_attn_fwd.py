@@ -81,6 +81,17 @@ def test_forward_gpu_realistic(case: tuple, seed: int) -> None:
         check_case(p, "cuda", fwd=cfg, layout=layout, backward=False, gen=gen)
 
 
+@pytest.mark.gpu
+def test_forward_gpu_config_once_miscompiled(seed: int) -> None:
+    """A variant of the forward (softmax scale folded into exp2's FMA) made Triton 3.6 build
+    a kernel that hit an illegal memory access for exactly this config at D=64, non-causal,
+    every time (BENCHMARKS.md). The shipped kernel must run it and match the reference."""
+    p = Problem(4, 32, 32, 2048, 2048, 64, "bf16", False, (-1, -1))
+    cfg = FwdConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+    check_case(p, "cuda", fwd=cfg, layout="bhsd", backward=False,
+               gen=torch.Generator().manual_seed(seed))
+
+
 def test_tma_descriptor_path_matches_pointer_path(device: str, seed: int) -> None:
     """use_tma=1 (tensor descriptors) gives the same output as the pointer path, including
     the ragged K/V end that the descriptor bounds zero-fill; odd strides fall back."""
