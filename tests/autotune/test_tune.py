@@ -159,8 +159,9 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     measured = [t for t in study.trials if t.user_attrs.get("measured")]
     assert len(measured) == 8 == r.trials
     # After 40% of the budget the search polishes (unless a recombination is predicted
-    # faster), so the last two trials are of those kinds. Each polish trial is new, and at least one launch of it is in a setting no earlier trial ran
-    # (the point of timing launches separately).
+    # faster), so the last two trials are of those kinds. Each polish trial is new, and at
+    # least one launch of it is in a setting no earlier trial ran (the point of timing
+    # launches separately).
     sources = [t.user_attrs.get("seed_source") for t in measured]
     assert set(sources[-2:]) <= {"polish", "compose"}
     polish = [t for t in measured if t.user_attrs.get("seed_source") == "polish"]
