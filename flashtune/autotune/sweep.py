@@ -461,23 +461,13 @@ def tune_task(task: Task, opts: Options, storage: Any, session: Any,
                 storage=storage, session=session, progress=progress)
 
 
-def prepare_optuna(url: str, attempts: int = 5) -> None:
-    """Create Optuna's tables in ``url`` before tuning. Optuna creates them on first use
-    without a lock, so workers that start together can race (one gets "table already
-    exists"); whoever loses retries and finds them made."""
-    import random
-
+def prepare_optuna(url: str) -> None:
+    """Create Optuna's tables in ``url`` before the workers start (``optuna_storage``
+    retries the creation race, so workers that start together would also be safe)."""
     from flashtune.autotune.tuner import optuna_storage
     from flashtune.db.storage import resolve_url
 
-    for i in range(attempts):
-        try:
-            optuna_storage(resolve_url(url))
-            return
-        except Exception:
-            if i == attempts - 1:
-                raise
-            time.sleep(0.2 + random.random())
+    optuna_storage(resolve_url(url))
 
 
 def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = None,

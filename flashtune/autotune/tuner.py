@@ -217,7 +217,32 @@ def optuna_storage(url: str, owner: Any = None) -> Any:
             return _MEMORY_STUDIES.setdefault(owner, optuna.storages.InMemoryStorage())
         except TypeError:  # not weak-referenceable
             return optuna.storages.InMemoryStorage()
-    return optuna.storages.RDBStorage(url)
+    return _rdb_storage(url)
+
+
+# Messages of the errors a process gets when another one is creating Optuna's tables in the
+# same new database at the same moment (SQLite and PostgreSQL wordings).
+_CREATION_RACE = ("already exists", "unique constraint", "duplicate key", "database is locked",
+                  "deadlock detected")
+
+
+def _rdb_storage(url: str, attempts: int = 8) -> Any:
+    """Optuna's RDB storage, created race-free. Optuna creates its tables and stamps their
+    version on first use without a lock, so processes that open one new database together
+    collide ("table studies already exists", a duplicate version row). The loser retries
+    and finds the tables made; any other error is raised at once."""
+    import optuna
+    import sqlalchemy.exc
+
+    for i in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError,
+                sqlalchemy.exc.ProgrammingError) as e:
+            if i == attempts - 1 or not any(m in str(e).lower() for m in _CREATION_RACE):
+                raise
+            time.sleep(0.05 * 2 ** i)
+    raise AssertionError("unreachable")
 
 
 def _make_sampler(kind: str, space: SearchSpace, seed: int, n_startup: int,
