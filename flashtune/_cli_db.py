@@ -1,7 +1,8 @@
 """`autotune` commands: db family (export, import, show).
 
 Expected failures (bad file, unreadable database, ...) print one line to stderr and
-exit with status 1, never a traceback. ``db_option`` is the shared ``--db`` option.
+exit with status 1, never a traceback. ``db_option`` is the shared ``--db`` option and
+``search_options`` the shared ``--direction/--trials/--time-budget`` of tune and sweep.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ db_option = click.option(
     "--db", "db_url", metavar="URL", default=None,
     help="Database path or SQLAlchemy URL (default: $FLASHTUNE_DB, else tuning.db in the "
          "user cache directory).")
+
+
+def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
+    """``--direction``, ``--trials`` and ``--time-budget``: what to tune and for how long."""
+    def apply(fn: Any) -> Any:
+        fn = click.option("--time-budget", type=click.FloatRange(min=0, min_open=True),
+                          default=None, metavar="S", help=time_help)(fn)
+        fn = click.option("--trials", type=click.IntRange(min=1), default=None,
+                          help=trials_help)(fn)
+        return click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]),
+                            default="both", show_default=True)(fn)
+    return apply
 
 
 def _command(fn: Callable[..., Any]) -> click.Command:

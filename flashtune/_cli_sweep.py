@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from flashtune._cli_db import _clean_errors, db_option
+from flashtune._cli_db import _clean_errors, db_option, search_options
 from flashtune.exceptions import FlashtuneError
 
 COMMANDS: list[click.Command] = []
@@ -318,12 +318,8 @@ def _shape_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @_command
 @_shape_options
-@click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]), default="both",
-              show_default=True)
-@click.option("--trials", type=click.IntRange(min=1), default=None,
-              help="Candidates measured per problem and direction (default: the tuner's).")
-@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
-              metavar="S", help="Seconds of search per problem and direction.")
+@search_options("Candidates measured per problem and direction (default: the tuner's).",
+                "Seconds of search per problem and direction.")
 @click.option("--gpus", default=None, metavar="0,1,...",
               help="Run one worker process per listed GPU (CUDA_VISIBLE_DEVICES each).")
 @click.option("--retry-failed", is_flag=True, help="Tune again the problems that failed.")

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from flashtune._cli_db import _clean_errors, db_option
+from flashtune._cli_db import _clean_errors, db_option, search_options
 
 COMMANDS: list[click.Command] = []
 
@@ -50,12 +50,8 @@ def _progress(ev: dict[str, Any]) -> None:
 @click.option("--window", type=(int, int), default=(-1, -1), metavar="LEFT RIGHT",
               help="Sliding window (-1 = unbounded).")
 @click.option("--softcap", type=float, default=0.0)
-@click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]), default="both",
-              show_default=True)
-@click.option("--trials", type=click.IntRange(min=1), default=None,
-              help="Candidates to measure per direction (a resumed study's count included).")
-@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
-              metavar="S", help="Seconds per direction.")
+@search_options("Candidates to measure per direction (a resumed study's count included).",
+                "Seconds per direction.")
 @click.option("--patience", type=click.IntRange(min=1), default=None,
               help="Stop after this many trials without improvement.")
 @click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
