@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from flashtune._bench import anchors, geomean, standard_matrix, three_timings
-from flashtune._problem import Problem
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import default_bwd, default_fwd
+from flashtune.problem import Problem
+from flashtune.timing import anchors, geomean, standard_matrix, three_timings
 
 
 def _label(p: Problem) -> str:

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 import flashtune
 from flashtune import dispatch
-from flashtune._problem import Problem
 from flashtune.kernels import attention
 from flashtune.kernels.config import default_bwd, default_fwd
+from flashtune.problem import Problem
 
 
 def bench_lookup(device: str) -> dict[str, float]:

@@ -10,9 +10,9 @@ import argparse
 import dataclasses
 import json
 
-from flashtune._bench import make_inputs, standard_matrix, time_fn
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import FwdConfig, is_feasible
+from flashtune.timing import make_inputs, standard_matrix, time_fn
 
 TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4),
          (64, 128, 4, 2)]

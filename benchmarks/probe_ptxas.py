@@ -89,8 +89,8 @@ def _build(job: tuple[int, int, int, int, int, bool]) -> dict[str, Any]:
 
 def grid() -> list[tuple[int, int, int, int, int, bool]]:
     """Configs the feasibility model accepts, ignoring the ptxas rule under test."""
-    from flashtune._problem import Problem
     from flashtune.kernels.config import FwdConfig, is_feasible
+    from flashtune.problem import Problem
 
     jobs = []
     for d, causal in itertools.product(HEAD_DIMS, (True, False)):

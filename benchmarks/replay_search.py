@@ -25,8 +25,8 @@ import statistics
 from concurrent.futures import Future
 from typing import Any
 
-from flashtune._problem import Problem
 from flashtune.autotune import SearchSpace, TuneSession, tune
+from flashtune.problem import Problem
 
 
 def _sig(cfg: dict[str, Any]) -> tuple[Any, ...]:

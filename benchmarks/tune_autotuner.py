@@ -32,10 +32,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from flashtune._bench import geomean, standard_matrix
-from flashtune._problem import Problem
 from flashtune.autotune import SearchSpace, TuneSession, tune
 from flashtune.kernels.config import config_to_dict, default_config
+from flashtune.problem import Problem
+from flashtune.timing import geomean, standard_matrix
 
 # Search-timing protocol for every trial (do_bench median, L2 flushed); the final
 # re-timing uses the house defaults (25 ms warmup, 100 ms of repetitions) x rounds.

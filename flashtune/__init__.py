@@ -1,6 +1,7 @@
 """flashtune: autotuned Triton FlashAttention-2 kernels, a tuning database and a dispatcher.
 
-Public API: :func:`flash_attention`, :func:`explain`, :data:`__version__`.
+Public API: :func:`flash_attention`, :func:`explain`, :class:`FwdConfig`, :class:`BwdConfig`
+(for ``config=``), :class:`Problem` (for ``tune()``) and :data:`__version__`.
 Importing flashtune does not import triton, optuna or sqlalchemy; ``flash_attention``
 loads the kernels and installs the dispatcher (:mod:`flashtune.dispatch`) on first use,
 and the dispatcher opens the tuning database on its first call.
@@ -8,23 +9,31 @@ and the dispatcher opens the tuning database on its first call.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["flash_attention", "explain", "__version__"]
+from flashtune._version import __version__
+
+__all__ = ["flash_attention", "explain", "FwdConfig", "BwdConfig", "Problem", "__version__"]
+
+# name -> (module, attribute); loaded on first use so that `import flashtune` stays cheap.
+_LAZY = {
+    "flash_attention": ("flashtune.dispatch", "flash_attention"),
+    "explain": ("flashtune.dispatch", "explain"),
+    "FwdConfig": ("flashtune.kernels.config", "FwdConfig"),
+    "BwdConfig": ("flashtune.kernels.config", "BwdConfig"),
+    "Problem": ("flashtune.problem", "Problem"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: `import flashtune` stays cheap (no triton compile, no database engine).
-    if name == "flash_attention":
-        import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
-        from flashtune.kernels.attention import flash_attention
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
 
-        globals()["flash_attention"] = flash_attention  # later lookups skip __getattr__
-        return flash_attention
-    if name == "explain":
-        from flashtune.dispatch import explain
 
-        globals()["explain"] = explain
-        return explain
-    raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

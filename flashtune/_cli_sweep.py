@@ -29,6 +29,7 @@ from typing import Any
 import click
 
 from flashtune._cli_db import _clean_errors, db_option, search_options
+from flashtune._env import interpreting
 from flashtune.exceptions import FlashtuneError
 
 COMMANDS: list[click.Command] = []
@@ -55,7 +56,7 @@ def _kernel_mode(cmd: str, interpret: bool) -> bool:
         mod = sys.modules.get("flashtune.kernels.attention")
         if mod is not None and not getattr(mod, "_INTERPRET", True):
             os.execv(sys.executable, [sys.executable, "-m", "flashtune.cli", *sys.argv[1:]])
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return True
     import torch
 
@@ -454,9 +455,9 @@ def _finish_sweep(sid: str, tasks: list[Any], device: Any, interpreter: bool, as
 def _impls(p: Any, storage: Any, device: Any, software: Any,
            interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """({name: attn(q, k, v)}, {"tuned": which directions were tuned})."""
-    from flashtune._bench import anchors
     from flashtune.kernels.attention import flash_attention
     from flashtune.kernels.config import config_from_dict, default_bwd, default_fwd
+    from flashtune.timing import anchors
 
     def ours(fwd: Any, bwd: Any) -> Any:
         return lambda q, k, v: flash_attention(q, k, v, causal=p.causal, window_size=p.window,
@@ -479,8 +480,8 @@ def _impls(p: Any, storage: Any, device: Any, software: Any,
 
 def _bench_rows(problems: list[Any], storage: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
-    from flashtune._bench import three_timings
     from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.timing import three_timings
 
     device, software = device_info(), software_info()
     dev = "cpu" if interpreter else "cuda"
@@ -533,10 +534,10 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = _kernel_mode("bench", interpret)
     _, problems = _shape_set(preset, shapes, from_misses, db_url)
-    from flashtune._bench import geomean
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.db.storage import open_storage
     from flashtune.exceptions import DatabaseMissingError
+    from flashtune.timing import geomean
 
     with _clean_errors():
         try:
@@ -671,7 +672,7 @@ def info_dict(db_url: str | None) -> dict[str, Any]:
         "flashtune": __version__,
         "device": {**dev.as_dict(), "fingerprint": dev.fingerprint},
         "cuda_available": torch.cuda.is_available(),
-        "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        "interpreter": interpreting(),
         "software": {**sw.as_dict(), "fingerprint": sw.fingerprint},
         "versions": {"python": platform.python_version(), "flashtune": __version__,
                      "torch": sw.torch, "triton": sw.triton, "cuda": sw.cuda,

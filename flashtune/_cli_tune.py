@@ -69,9 +69,9 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
     """Tune one attention problem and store the fastest correct config(s)."""
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-    from flashtune._problem import Problem
     from flashtune.autotune import tune
     from flashtune.kernels.config import config_to_dict
+    from flashtune.problem import Problem
 
     try:
         problem = Problem(batch=batch, heads_q=heads, heads_kv=kv_heads or heads,

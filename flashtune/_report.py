@@ -29,8 +29,8 @@ def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
     import optuna
     from optuna.trial import TrialState
 
-    from flashtune._problem import Problem
     from flashtune.autotune.tuner import optuna_storage
+    from flashtune.problem import Problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna_storage(url)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from flashtune._problem import Problem
 from flashtune.cli import main
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
+from flashtune.problem import Problem
 
 H200 = DeviceInfo(name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
 A100 = DeviceInfo(name="NVIDIA A100-SXM4-80GB", capability="8.0", sm_count=108, memory_gb=80)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from flashtune._problem import Problem
 from flashtune.autotune.presets import MODELS, PRESETS, load_shapes, preset
 from flashtune.autotune.sweep import Board
 from flashtune.cli import main
+from flashtune.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"batch": 1, "heads": 2, "seqlen": 64, "head_dim": 32, "dtype": "fp16"}
@@ -43,7 +43,7 @@ def _sweep(*args: str) -> tuple[int, dict, str]:
 def test_presets_expand_from_model_configs() -> None:
     assert set(PRESETS) >= {"standard", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b",
                             "gpt2"}
-    from flashtune._bench import standard_matrix
+    from flashtune.timing import standard_matrix
 
     assert preset("standard") == standard_matrix()
     l70 = preset("llama3-70b")

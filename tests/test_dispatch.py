@@ -19,7 +19,6 @@ import torch
 
 import flashtune
 from flashtune import dispatch
-from flashtune._problem import Problem
 from flashtune.db import device_info, open_storage, software_info
 from flashtune.db.fingerprint import SoftwareInfo
 from flashtune.exceptions import DispatchMissError
@@ -32,6 +31,7 @@ from flashtune.kernels.config import (
     is_feasible,
 )
 from flashtune.kernels.reference import attention_ref
+from flashtune.problem import Problem
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Configs no heuristic picks, so a test can tell where a config came from.

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, ".")
 import flashtune.kernels.attn_fwd as NEW
-from flashtune._bench import anchors, geomean, make_inputs, standard_matrix, time_fn
-from flashtune._problem import Problem
+from flashtune.timing import anchors, geomean, make_inputs, standard_matrix, time_fn
+from flashtune.problem import Problem
 from flashtune.kernels.config import FwdConfig, config_from_dict, default_fwd
 
 spec = importlib.util.spec_from_file_location("attn_fwd_old", ".exp/attn_fwd_old.py")

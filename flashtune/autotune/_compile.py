@@ -52,15 +52,16 @@ def precompile(problem: dict[str, Any], direction: str,
     try:
         import torch
 
-        from flashtune._problem import Problem
+        from flashtune._env import torch_dtype
         from flashtune.kernels.attn_bwd import attn_bwd
         from flashtune.kernels.attn_fwd import attn_fwd, default_scale
         from flashtune.kernels.config import config_from_dict
+        from flashtune.problem import Problem
 
         _compile_only()
         p = replace(Problem.from_dict(problem), batch=1)
         cfg: Any = config_from_dict(direction, config)
-        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+        dt = torch_dtype(p.dtype)
         q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
         k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda", dtype=dt)
         v = torch.empty_like(k)

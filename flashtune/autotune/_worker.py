@@ -20,16 +20,18 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from flashtune._env import interpreting
+
 
 def _serve(conn: Connection) -> None:
     import torch
 
-    from flashtune._problem import Problem
     from flashtune.autotune import _faults
     from flashtune.autotune.measure import Bench, Measurement, measure, retime
     from flashtune.kernels.config import config_from_dict
+    from flashtune.problem import Problem
 
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = interpreting()
     device = "cpu" if interp or not torch.cuda.is_available() else "cuda"
     rules = _faults.rules_from_env()
     benches: dict[Any, Bench] = {}

@@ -6,11 +6,11 @@ nothing of it, so each piece can be tested alone:
 - :func:`gate` checks the candidate against the fp32 reference under the 2x rule
   (``flashtune.kernels.reference.compare``) on fresh random inputs drawn from the
   trial's seed: O and the LSE for a forward config, dq, dk and dv for a backward one.
-- :class:`Bench` times a config with ``flashtune._bench.time_fn`` (do_bench median
+- :class:`Bench` times a config with ``flashtune.timing.time_fn`` (do_bench median
   with an L2 flush after warmup on CUDA; a host-clock loop under the interpreter,
   labelled as such). A backward config is timed as the backward launcher alone, on a
   forward output made once with the heuristic default, with
-  ``flashtune._bench.time_parts``: the same protocol for the whole, plus the median
+  ``flashtune.timing.time_parts``: the same protocol for the whole, plus the median
   of each of its three launches (preprocess, dK/dV, dQ), which the tuner recombines.
 - :func:`classify` sorts an exception into "prune" (the candidate cannot compile or
   does not fit: out of resources) or "error"; :func:`poisons_context` says whether the
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from flashtune._bench import Timing, make_inputs, time_fn, time_parts
-from flashtune._problem import Problem
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
+from flashtune.problem import Problem
+from flashtune.timing import Timing, make_inputs, time_fn, time_parts
 
 # The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
 # Above this many score elements it runs on a problem with fewer batches/heads: a tile

@@ -1,6 +1,6 @@
 """Shape sets for ``autotune sweep`` and ``autotune bench``: presets and shapes files.
 
-A preset expands to a list of :class:`~flashtune._problem.Problem`. ``standard`` is
+A preset expands to a list of :class:`~flashtune.problem.Problem`. ``standard`` is
 the house matrix of DESIGN.md; the model presets take heads, KV heads, head dim and
 sliding window from each model's published config and use whole-model head counts
 (no tensor parallelism), causal masks, bf16, and ``batch * seqlen = 16384`` tokens
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashtune._problem import DTYPES, Problem
+from flashtune.problem import DTYPES, Problem
 
 TOKENS = 16384  # batch * seqlen per step, as in the house matrix
 
@@ -64,7 +64,7 @@ def model_problems(m: Model) -> list[Problem]:
 
 
 def _standard() -> list[Problem]:
-    from flashtune._bench import standard_matrix
+    from flashtune.timing import standard_matrix
 
     return standard_matrix()
 

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flashtune._problem import Problem
 from flashtune.kernels.config import (
     CONFIG_TYPES,
     DEFAULT_SMEM_BYTES,
@@ -32,6 +31,7 @@ from flashtune.kernels.config import (
     config_parts,
     is_feasible,
 )
+from flashtune.problem import Problem
 
 Config = FwdConfig | BwdConfig
 

@@ -39,8 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from flashtune._problem import Problem, ProblemKey
 from flashtune.exceptions import FlashtuneError, StorageError
+from flashtune.problem import Problem, ProblemKey
 
 STATES = ("pending", "running", "done", "failed")
 DEFAULT_LEASE_S = 120.0

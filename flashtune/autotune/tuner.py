@@ -49,17 +49,18 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashtune._problem import Problem, ProblemKey
+from flashtune._env import interpreting, setenv
 from flashtune.autotune._compile import CompilePool
 from flashtune.autotune._isolation import Worker
 from flashtune.autotune.space import Config, SearchSpace
 from flashtune.exceptions import TuningError
 from flashtune.kernels.config import config_from_dict, config_to_dict, default_config
+from flashtune.problem import Problem, ProblemKey
 
 ProgressFn = Callable[[dict[str, Any]], None]
 SAMPLERS = ("tpe", "random", "grid")
@@ -124,25 +125,6 @@ class TuneResult:
         return d
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
 class TuneSession:
     """The processes a tune needs: one measurement worker and (on GPU) a compile pool.
 
@@ -151,7 +133,7 @@ class TuneSession:
     """
 
     def __init__(self, *, interpret: bool | None = None, compile_workers: int | None = None):
-        self.interpret = _interpreting() if interpret is None else bool(interpret)
+        self.interpret = interpreting() if interpret is None else bool(interpret)
         if compile_workers is None:
             compile_workers = 0 if self.interpret else max(1, min(14, (os.cpu_count() or 2) - 2))
         self.compile_workers = 0 if self.interpret else int(compile_workers)
@@ -835,7 +817,7 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
     own_storage = storage is None or isinstance(storage, (str, os.PathLike))
     store_obj = open_storage(storage) if own_storage else storage
     interp = sess.interpret
-    with _env("TRITON_INTERPRET", "1" if interp else None):
+    with setenv("TRITON_INTERPRET", "1" if interp else None):
         device = device_info()
     software = software_info()
     if trial_timeout is None:

@@ -32,11 +32,11 @@ from datetime import datetime, timezone
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from flashtune._problem import DIRECTIONS, DTYPES, MAX_BUCKET, Problem, ProblemKey
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.storage import PREFER, Result
 from flashtune.exceptions import ImportValidationError
 from flashtune.kernels.config import CONFIG_TYPES, config_fields
+from flashtune.problem import DIRECTIONS, DTYPES, MAX_BUCKET, Problem, ProblemKey
 
 if TYPE_CHECKING:
     from flashtune.db.storage import Storage

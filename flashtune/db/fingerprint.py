@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from flashtune._env import interpreting
 
 CPU_INTERPRETER = "cpu-interpreter"
 _KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -66,10 +67,6 @@ class SoftwareInfo:
         return asdict(self)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.cache
 def _cuda_device_info(index: int) -> DeviceInfo:
     import torch
@@ -87,7 +84,7 @@ def device_info(device: Any = None) -> DeviceInfo:
     the CPU interpreter, one device of its own whatever the host CPU is.
     """
     cpu = DeviceInfo(name=CPU_INTERPRETER, capability="cpu", sm_count=0, memory_gb=0)
-    if _interpreting():
+    if interpreting():
         return cpu
     import torch
 

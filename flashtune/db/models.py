@@ -27,8 +27,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from flashtune._problem import ProblemKey
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+from flashtune.problem import ProblemKey
 
 VERSION_TABLE = "flashtune_alembic_version"
 SCHEMA_REVISION = "0001"

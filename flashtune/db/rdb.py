@@ -35,7 +35,6 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from flashtune._problem import Problem, ProblemKey
 from flashtune.db.exchange import check_result, sort_key
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
@@ -50,6 +49,7 @@ from flashtune.db.models import (
 )
 from flashtune.db.storage import PREFER, Result, Storage
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
+from flashtune.problem import Problem, ProblemKey
 
 if TYPE_CHECKING:  # alembic loads only when a database needs migrating (~0.2 s)
     from alembic.config import Config

@@ -17,8 +17,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from flashtune._problem import Problem, ProblemKey
+from flashtune._env import cache_home, database_url
+from flashtune._version import __version__
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+from flashtune.problem import Problem, ProblemKey
 
 PREFER = ("faster", "ours", "theirs")
 
@@ -196,7 +198,7 @@ class Storage(abc.ABC):
 
 def default_path() -> Path:
     """``$XDG_CACHE_HOME/flashtune/tuning.db``, or ``~/.cache/flashtune/tuning.db``."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = cache_home()
     return Path(cache) / "flashtune" / "tuning.db"
 
 
@@ -204,7 +206,7 @@ def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
     """The SQLAlchemy URL for ``url``: None means ``FLASHTUNE_DB`` or :func:`default_path`;
     a plain path means SQLite at that path; ``postgresql://`` uses psycopg (v3)."""
     if url is None:
-        url = os.environ.get("FLASHTUNE_DB") or default_path()
+        url = database_url() or default_path()
     text = os.fspath(url)
     if "://" not in text:
         return "sqlite:///" + str(Path(text).expanduser().absolute())
@@ -230,7 +232,5 @@ def open_storage(url: str | os.PathLike[str] | None = None, *,
 
 def provenance() -> tuple[str, str, str]:
     """(host, now as ISO-8601 UTC, flashtune version): who stored a result, and when."""
-    from flashtune import __version__
-
     now = datetime.now(timezone.utc).isoformat(timespec="microseconds")
     return socket.gethostname(), now, __version__

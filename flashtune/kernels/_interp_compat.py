@@ -15,11 +15,11 @@ shape we expect; otherwise nothing is touched.
 
 from __future__ import annotations
 
-import os
+from flashtune._env import interpreting
 
 
 def patch_interpreter_bf16_dot() -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not interpreting():
         return False
     try:
         import triton.language as tl

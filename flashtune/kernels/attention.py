@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from flashtune._env import interpreting
 from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import attn_fwd
 from flashtune.kernels.config import (
@@ -30,7 +30,7 @@ from flashtune.kernels.config import (
 )
 
 _DTYPES = (torch.float16, torch.bfloat16)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreting()
 
 Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
                     "FwdConfig | BwdConfig"]
@@ -38,7 +38,7 @@ Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], flo
 
 def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
              softcap: float) -> Any:
-    from flashtune._problem import Problem
+    from flashtune.problem import Problem
 
     return Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
 
@@ -263,7 +263,7 @@ def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape:
                   k_shape: tuple[int, ...], dtype: torch.dtype, causal: bool,
                   window: tuple[int, int], softcap: float) -> None:
     """Feasibility of a forced config, checked once per (config, shape) and then cached."""
-    from flashtune._problem import Problem
+    from flashtune.problem import Problem
 
     b, hq, sq, d = q_shape
     p = Problem(batch=b, heads_q=hq, heads_kv=k_shape[1], seqlen_q=sq, seqlen_k=k_shape[2],

@@ -18,8 +18,8 @@ from typing import Any
 
 import triton
 
-from flashtune._problem import Problem
 from flashtune.exceptions import InfeasibleConfigError
+from flashtune.problem import Problem
 
 POW2_BLOCKS = (16, 32, 64, 128, 256)
 WARPS = (1, 2, 4, 8, 16)

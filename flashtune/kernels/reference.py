@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from flashtune._env import torch_dtype
+
 
 def visibility(sq: int, sk: int, causal: bool, window: tuple[int, int],
                device: torch.device | str) -> torch.Tensor | None:
@@ -187,7 +189,7 @@ def compare(problem: Any, direction: str, config: Any, *, device: torch.device |
     from flashtune.kernels.attn_fwd import attn_fwd
     from flashtune.kernels.config import default_fwd
 
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[problem.dtype]
+    dt = torch_dtype(problem.dtype)
     p = problem
 
     def randn(*shape: int) -> torch.Tensor:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtune._bench import time_parts
-from flashtune._problem import Problem
 from flashtune.autotune.measure import Bench
 from flashtune.kernels.attn_bwd import BWD_PARTS, attn_bwd, bwd_steps
 from flashtune.kernels.config import BwdConfig, default_fwd
+from flashtune.problem import Problem
+from flashtune.timing import time_parts
 
 P = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=56, head_dim=32,
             dtype="bf16", causal=True)

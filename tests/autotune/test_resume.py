@@ -12,10 +12,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from flashtune._problem import Problem
 from flashtune.autotune._faults import fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
+from flashtune.problem import Problem
 
 ARGS = ["--interpret", "--batch", "1", "--heads", "2", "--seqlen", "32", "--head-dim", "32",
         "--dtype", "fp16", "--direction", "fwd", "--trials", "6", "--seed", "3"]

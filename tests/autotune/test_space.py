@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from flashtune._problem import Problem
 from flashtune.autotune import SearchSpace
 from flashtune.autotune.tuner import study_name
 from flashtune.kernels.config import BwdConfig, FwdConfig, config_fields, default_config
+from flashtune.problem import Problem
 
 P = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32, dtype="fp16")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from flashtune._problem import Problem
 from flashtune.autotune.sweep import Board, sweep_id, tasks_for
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+from flashtune.problem import Problem
 
 DEV = DeviceInfo(name="test-gpu", capability="9.0", sm_count=132, memory_gb=141)
 SW = SoftwareInfo(torch="t", triton="tr", cuda="c", kernels_hash="h")

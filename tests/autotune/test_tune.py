@@ -13,13 +13,13 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from flashtune._problem import Problem
 from flashtune.autotune import SearchSpace, TuneResult, tune
 from flashtune.autotune._faults import ENV, fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
 from flashtune.kernels.config import config_from_dict, config_to_dict
 from flashtune.kernels.reference import compare
+from flashtune.problem import Problem
 
 TINY = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=32, seqlen_k=32, head_dim=32,
                dtype="fp16")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashtune._problem import Problem
 from flashtune.autotune import tune
+from flashtune.problem import Problem
 
 pytestmark = pytest.mark.gpu
 

@@ -6,9 +6,9 @@ import dataclasses
 import random
 from typing import Any
 
-from flashtune._problem import Problem, ProblemKey
 from flashtune.db import DeviceInfo, Result, SoftwareInfo
 from flashtune.kernels.config import CONFIG_TYPES, config_fields
+from flashtune.problem import Problem, ProblemKey
 
 H200 = DeviceInfo(name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
 A100 = DeviceInfo(name="NVIDIA A100-SXM4-80GB", capability="8.0", sm_count=108, memory_gb=80)

@@ -8,7 +8,6 @@ import random
 
 import torch
 
-from flashtune._problem import Problem
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import (
     BwdConfig,
@@ -19,6 +18,7 @@ from flashtune.kernels.config import (
     is_feasible,
 )
 from flashtune.kernels.reference import reference_errors, within_rule
+from flashtune.problem import Problem
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

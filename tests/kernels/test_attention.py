@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from flashtune._bench import standard_matrix
-from flashtune._problem import Problem
 from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd, default_fwd
+from flashtune.problem import Problem
+from flashtune.timing import standard_matrix
 
 from .helpers import check_case, make_qkv, random_config
 

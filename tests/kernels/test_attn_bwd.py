@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from flashtune._problem import Problem
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd
+from flashtune.problem import Problem
 
 from .helpers import case_id, case_problem, check_case, make_qkv, random_config
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from flashtune._problem import Problem
 from flashtune.kernels.config import FwdConfig, default_fwd
+from flashtune.problem import Problem
 
 from .helpers import case_id, case_problem, check_case, random_config
 

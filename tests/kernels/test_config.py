@@ -7,7 +7,6 @@ import pathlib
 
 import pytest
 
-from flashtune._problem import Problem
 from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels import config
 from flashtune.kernels.config import (
@@ -26,6 +25,7 @@ from flashtune.kernels.config import (
     smem_dq,
     smem_fwd,
 )
+from flashtune.problem import Problem
 
 DATA = pathlib.Path(__file__).parents[2] / "benchmarks" / "data"
 PROBE = DATA / "probe_h200.jsonl"

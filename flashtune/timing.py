@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from flashtune._problem import Problem
+from flashtune._env import torch_dtype
+from flashtune.problem import Problem
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-_TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,6 @@ class Timing:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPE[name]
 
 
 def make_inputs(p: Problem, device: torch.device | str, *, requires_grad: bool = False,

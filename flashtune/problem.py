@@ -149,9 +149,9 @@ class Problem:
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool = False,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Problem:
-        import torch
+        from flashtune._env import dtype_name
 
-        dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+        dt = dtype_name(q.dtype)
         b, hq, sq, d = q.shape
         return cls(batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
                    head_dim=d, dtype=dt, causal=bool(causal),

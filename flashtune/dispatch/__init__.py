@@ -1,0 +1,244 @@
+"""The runtime dispatcher: which config runs each ``flashtune.flash_attention`` call.
+
+Importing this package installs :func:`resolve` as the kernels' config resolver (see
+:func:`flashtune.kernels.attention.set_config_resolver`); ``flashtune.flash_attention``
+imports it, ``flashtune.kernels.attention.flash_attention`` does not.
+
+The ladder, per direction (fwd/bwd) and call:
+
+1. the problem key, :meth:`flashtune.problem.Problem.key`, the one the tuner stores under;
+2. **tuned**: a fresh result for exactly that key on this device, from the per-process
+   table (the user's database over the shipped package layer);
+3. **nearest**: else the closest tuned bucket of the same device, dtype, head dim and
+   mask kind (:meth:`ProblemKey.distance`; ties: user layer, then faster);
+4. **default**: else the heuristic default of :mod:`flashtune.kernels.config`.
+
+Hot path. A dict keyed by a tuple of the tensors' shapes and flags holds the chosen
+config; only the first call of a shape builds a :class:`Problem` and walks the ladder.
+The table is loaded once per process and device, on the first call (or
+:func:`preload`), never during CUDA-graph capture or ``torch.compile`` tracing: a
+first sight there is served from memory (heuristic default if no table is loaded yet,
+and not remembered).
+
+Misses (steps 3 and 4) are logged once per process per key, and recorded in the user
+database's misses table in batches by a background thread (one count per process and
+concrete shape). ``FLASHTUNE_STRICT=1`` raises :class:`DispatchMissError` instead.
+``FLASHTUNE_TUNE_ON_MISS=1`` runs the tuner with a small budget
+(``FLASHTUNE_TUNE_TRIALS``, default 8) on a miss, outside capture and compilation.
+
+Failures. A database that is missing, unreadable, corrupt, locked or of another
+schema gives one warning per process, then the shipped layer and the heuristics.
+
+Distributed. When ``torch.distributed`` is initialized with more than one rank, rank 0
+publishes its table through the process group's key-value store and the other ranks
+use it, so every rank decides alike; with online tuning, rank 0 tunes and publishes
+the result. Rank 0 never waits for the others; they wait for rank 0 at most
+``FLASHTUNE_DIST_TIMEOUT`` seconds (default 300), then decide locally with a warning.
+``FLASHTUNE_DIST_SYNC=0`` turns this off.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashtune._env import flag
+from flashtune.db.fingerprint import DeviceInfo, device_info
+from flashtune.dispatch._distributed import records_misses, sync_table
+from flashtune.dispatch._misses import flush_misses, recorder
+from flashtune.dispatch._online import tune_on_miss
+from flashtune.dispatch._state import (
+    Config,
+    counters,
+    fast,
+    in_graph,
+    lock,
+    missed,
+    reload,
+    stats,
+    tables,
+    tune_tried,
+    warn_once,
+)
+from flashtune.dispatch._table import Choice, Table, load_table, log
+from flashtune.exceptions import DispatchMissError
+from flashtune.kernels import attention as _attention
+from flashtune.kernels.attention import flash_attention
+from flashtune.kernels.config import BwdConfig, FwdConfig, config_to_dict, default_config
+from flashtune.problem import Problem, ProblemKey
+
+if TYPE_CHECKING:
+    from flashtune.db.storage import Result
+
+__all__ = ["Choice", "Explanation", "explain", "preload", "reload", "flush_misses", "stats",
+           "resolve", "SOURCES", "flash_attention"]
+
+SOURCES = ("tuned", "nearest", "default")
+
+
+def resolve(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
+            window: tuple[int, int], softcap: float) -> Config:
+    """The config for one call (the resolver the kernels call when no config is forced)."""
+    fk = (direction, q.shape, k.shape, q.dtype, q.get_device(), causal, window, softcap)
+    cfg = fast.get(fk)
+    if cfg is not None:
+        return cfg
+    return _first_sight(fk, direction, q, k, causal, window, softcap)
+
+
+def _first_sight(fk: tuple[Any, ...], direction: str, q: torch.Tensor, k: torch.Tensor,
+                 causal: bool, window: tuple[int, int], softcap: float) -> Config:
+    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
+    graph = in_graph()
+    with lock:
+        counters["first_sights"] += 1
+        table = table_for(q.device, load=not graph)
+        if table is None:
+            counters["uncached"] += 1
+            warn_once("in-graph", "flashtune: first call of a shape inside CUDA-graph capture or "
+                       "torch.compile tracing before the tuning table was loaded; using the "
+                       "heuristic default there. Call flashtune.dispatch.preload() or run one "
+                       "eager step first")
+            return default_config(direction, problem)
+        choice = table.choose(problem, direction)
+        if choice.source != "tuned":
+            choice = _on_miss(choice, problem, direction, table, graph)
+        fast[fk] = choice.config
+        return choice.config
+
+
+def _on_miss(choice: Choice, problem: Problem, direction: str, table: Table,
+             graph: bool) -> Choice:
+    key = choice.key
+    tag = (table.device.fingerprint, key)
+    if flag("FLASHTUNE_TUNE_ON_MISS") and not graph and tag not in tune_tried:
+        tune_tried.add(tag)
+        tuned = tune_on_miss(problem, direction, table)
+        if tuned is not None:
+            fast.clear()  # nearest choices of other shapes may now prefer the new entry
+            return table.choose(problem, direction)
+    if flag("FLASHTUNE_STRICT"):
+        near = "" if choice.entry is None else \
+            f"; the nearest tuned bucket is {choice.entry.key.short()}"
+        raise DispatchMissError(
+            f"FLASHTUNE_STRICT=1: no tuned {direction} config for {key.short()} "
+            f"(problem {problem.as_dict()}) on {table.device.name}{near}. Tune it with "
+            f"`autotune tune` or `autotune sweep --from-misses`, or unset FLASHTUNE_STRICT")
+    counters["misses"] += 1
+    if tag not in missed:
+        missed.add(tag)
+        log.info("flashtune: no tuned %s config for %s on %s; using the %s config %s",
+                 direction, key.short(), table.device.name, choice.source,
+                 config_to_dict(choice.config))
+    if table.error is None and not graph and records_misses():
+        recorder.add(table.device, key, problem)
+    return choice
+
+
+def table_for(device: torch.device, *, load: bool) -> Table | None:
+    index = -1 if device.type == "cpu" else (device.index if device.index is not None
+                                              else torch.cuda.current_device())
+    table = tables.get(index)
+    if table is None and load:
+        table = tables[index] = sync_table(load_table(device_info(device)))
+    return table
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What the dispatcher does for one call (:func:`explain`)."""
+
+    problem: Problem
+    key: ProblemKey  # the forward key; the backward key differs only in ``direction``
+    source: str  # the weaker of the two directions' sources
+    fwd: Choice
+    bwd: Choice
+    device: DeviceInfo
+    database: str | None
+    database_error: str | None
+
+    @property
+    def fwd_config(self) -> FwdConfig:
+        return self.fwd.config  # type: ignore[return-value]
+
+    @property
+    def bwd_config(self) -> BwdConfig:
+        return self.bwd.config  # type: ignore[return-value]
+
+    @property
+    def entry(self) -> Result | None:
+        """The database entry behind the forward config (``bwd.entry`` for the backward)."""
+        return self.fwd.entry
+
+    def as_dict(self) -> dict[str, Any]:
+        def one(c: Choice) -> dict[str, Any]:
+            e = c.entry
+            return {"source": c.source, "layer": c.layer, "config": config_to_dict(c.config),
+                    "key": c.key.as_dict(),
+                    "entry": None if e is None else {
+                        "key": e.key.as_dict(), "median_ms": e.median_ms, "tflops": e.tflops,
+                        "trials": e.trials, "host": e.host, "created_at": e.created_at,
+                        "flashtune_version": e.flashtune_version}}
+
+        return {"problem": self.problem.as_dict(), "key": self.key.as_dict(),
+                "source": self.source, "device": self.device.as_dict(),
+                "database": self.database, "database_error": self.database_error,
+                "fwd": one(self.fwd), "bwd": one(self.bwd)}
+
+    def __str__(self) -> str:
+        lines = [f"{self.key.short()} on {self.device.name}: {self.source}"]
+        for c in (self.fwd, self.bwd):
+            e = c.entry
+            what = c.source if e is None else \
+                f"{c.source} from {c.layer} entry {e.key.short()} ({e.median_ms:.4g} ms)"
+            lines.append(f"  {c.key.direction}: {config_to_dict(c.config)}  [{what}]")
+        if self.database_error:
+            lines.append(f"  database unusable: {self.database_error}")
+        return "\n".join(lines)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Explanation:
+    """What :func:`flashtune.flash_attention` would run for these inputs, and why.
+
+    Returns the problem key, the forward and backward configs, ``source`` ("tuned",
+    "nearest" or "default"; the weaker of the two directions) and the database entries
+    they came from. Launches nothing, records no miss, tunes nothing; it may load the
+    device's table (as the first call would).
+    """
+    _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
+    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap)
+    with lock:
+        table = table_for(q.device, load=True)
+        assert table is not None
+        fwd, bwd = table.choose(problem, "fwd"), table.choose(problem, "bwd")
+    source = max(fwd.source, bwd.source, key=SOURCES.index)
+    return Explanation(problem, fwd.key, source, fwd, bwd, table.device, table.database,
+                       table.error)
+
+
+def preload(device: Any = None) -> dict[str, Any]:
+    """Load the tuning table for ``device`` now (default: the current CUDA device, or the
+    CPU interpreter), outside any hot loop, CUDA-graph capture or compiled region. Under
+    torch.distributed, call it on every rank. Returns a short summary."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() and not _attention._INTERPRET else torch.device("cpu")
+    with lock:
+        table = table_for(torch.device(device), load=True)
+        assert table is not None
+    layers = [e.layer for e in table.entries.values()]
+    return {"device": table.device.name, "entries": len(layers),
+            "user": layers.count("user"), "shipped": layers.count("shipped"),
+            "database": table.database, "error": table.error}
+
+
+def install() -> None:
+    """Make :func:`resolve` the kernels' config resolver (done when this package loads)."""
+    _attention.set_config_resolver(resolve)
+
+
+install()

@@ -1,0 +1,151 @@
+"""The lookup ladder over one device's table: tuned, nearest, default.
+
+The table holds the fresh results of one device, the user database's layer over the
+shipped package layer, with their configs parsed. Loading it never raises: a database
+that cannot be used gives one warning per process and an empty user layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flashtune._env import database_url
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
+from flashtune.dispatch._state import Config, counters, warn_once
+from flashtune.exceptions import StorageError
+from flashtune.kernels.config import check, config_from_dict, default_config
+from flashtune.problem import Problem, ProblemKey
+
+if TYPE_CHECKING:
+    from flashtune.db.storage import Result
+
+READ_BUSY_TIMEOUT_S = 2.0  # how long the dispatcher waits on a locked database
+LAYER_RANK = {"user": 0, "shipped": 1}
+log = logging.getLogger("flashtune.dispatch")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One direction's decision: the config, where it came from, and the entry behind it."""
+
+    config: Config
+    source: str  # "tuned" | "nearest" | "default"
+    key: ProblemKey  # the key asked for (the entry's key may differ: see ``entry.key``)
+    entry: Result | None = None
+    layer: str | None = None  # "user" | "shipped" | None
+
+
+@dataclass
+class Entry:
+    result: Result
+    layer: str
+    config: Config
+
+
+class Table:
+    """The fresh results of one device, user layer over shipped layer, configs parsed."""
+
+    def __init__(self, device: DeviceInfo, entries: dict[ProblemKey, Entry],
+                 database: str | None = None, error: str | None = None) -> None:
+        self.device = device
+        self.entries = entries
+        self.database = database
+        self.error = error
+        self.families: dict[tuple[Any, ...], list[ProblemKey]] = {}
+        for key in entries:
+            self.families.setdefault(key.family(), []).append(key)
+
+    def add(self, entry: Entry) -> None:
+        key = entry.result.key
+        if key not in self.entries:
+            self.families.setdefault(key.family(), []).append(key)
+        self.entries[key] = entry
+
+    def choose(self, problem: Problem, direction: str) -> Choice:
+        key = problem.key(direction)
+        hit = self.entries.get(key)
+        if hit is not None and feasible(hit.config, problem):
+            return Choice(hit.config, "tuned", key, hit.result, hit.layer)
+        ranked = sorted(
+            (k.distance(key), LAYER_RANK[self.entries[k].layer],
+             self.entries[k].result.median_ms, k)
+            for k in self.families.get(key.family(), ()) if k != key)
+        for dist, _, _, k in ranked:
+            e = self.entries[k]
+            if dist != float("inf") and feasible(e.config, problem):
+                return Choice(e.config, "nearest", key, e.result, e.layer)
+        return Choice(default_config(direction, problem), "default", key)
+
+
+def feasible(cfg: Config, problem: Problem) -> bool:
+    try:
+        check(cfg, problem)
+    except ValueError:
+        return False
+    return True
+
+
+def parse(r: Result, layer: str) -> Entry | None:
+    try:
+        return Entry(r, layer, config_from_dict(r.key.direction, r.config))
+    except (ValueError, TypeError) as e:
+        log.warning("flashtune: skipping the %s entry for %s: %s", layer, r.key.short(), e)
+        return None
+
+
+def load_table(device: DeviceInfo) -> Table:
+    counters["table_loads"] += 1
+    sw = software_info()
+    entries: dict[ProblemKey, Entry] = {}
+    try:
+        from flashtune.db.exchange import shipped_results
+
+        index(entries, ((r, "shipped") for r in shipped_results(sw)
+                         if not r.stale and r.device.fingerprint == device.fingerprint))
+    except Exception as e:  # the shipped layer is optional; never fatal
+        warn_once("shipped", f"flashtune: cannot read the shipped tuning data ({e}); "
+                   "ignoring it")
+    url, user, error = read_user(device, sw)
+    index(entries, ((r, "user") for r in user.values()))  # over the shipped layer
+    return Table(device, entries, url, error)
+
+
+def index(entries: dict[ProblemKey, Entry], results: Iterable[tuple[Result, str]]) -> None:
+    for r, layer in results:
+        parsed = parse(r, layer)
+        if parsed is not None:
+            entries[r.key] = parsed
+
+
+def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemKey, Result],
+                                                                  str | None]:
+    """(database, its fresh results for ``device``, the error that made it unusable)."""
+    from flashtune.db.storage import resolve_url
+
+    url = database_url()
+    where = resolve_url(url)
+    counters["db_reads"] += 1
+    try:
+        from flashtune.db.storage import open_storage
+        from flashtune.exceptions import DatabaseMissingError
+
+        try:
+            # A locked database must not stall a training step for SQLite's 30 s default.
+            storage = open_storage(url, read_only=True, busy_timeout=READ_BUSY_TIMEOUT_S)
+        except DatabaseMissingError as e:
+            if url is None:  # no database yet at the default place: the normal first run
+                log.info("flashtune: %s; using the shipped configs and heuristics", e)
+                return where, {}, None
+            raise
+        try:
+            return where, storage.load_table(device, sw), None
+        finally:
+            storage.close()
+    except Exception as e:  # StorageError, or anything a broken install throws: never fatal
+        what = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
+        warn_once(f"db:{where}", f"flashtune: cannot use the tuning database ({what}); "
+                   "using the shipped configs and heuristics. Training goes on.")
+        return where, {}, what
