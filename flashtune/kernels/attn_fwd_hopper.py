@@ -1,0 +1,420 @@
+"""FlashAttention forward for Hopper (sm90), FA3-style, written in Gluon.
+
+One program (persistent or not) walks query tiles of ``BLOCK_M = 64 * CONSUMERS`` rows:
+
+- a **producer** partition (the default one) loads each tile's Q (one 64-row slice per
+  consumer) and streams the visible K/V tiles through a ring of ``STAGES`` shared-memory
+  buffers with TMA, each buffer guarded by a full/empty mbarrier pair;
+- **consumer** warpgroups (one per 64 query rows) compute S = QKᵀ and O += PV with async
+  ``warpgroup_mma``. The QKᵀ of tile j+1 is in flight while the softmax of tile j runs and
+  PV of tile j-1 drains (FA3's intra-warpgroup overlap). With ``PINGPONG`` the two consumers
+  take turns issuing their products, ordered by an mbarrier pair (Gluon on Triton 3.6 has no
+  named barriers), so one warpgroup's exponentials overlap the other's tensor-core work.
+
+Scores stay in the log2 domain; the softmax scale is folded into the exp2 argument
+(``s * scale - m``: one FMA). Masks (causal bottom-right, window, ragged ends) are applied
+only on the edge and diagonal tiles. TMA reads through rank-4 (B, H, S, D) descriptors, so
+rows past a sequence's end come back as zeros and any 16-byte-aligned strides work. O and
+the natural-log LSE are written with plain stores; rows that see no key get O = 0 and
+LSE = +inf, as in the portable kernel.
+
+This module imports Gluon's Hopper API at import time: import it only where
+``flashtune.kernels.config.hopper_support()`` says the variant can run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtune.kernels.config import FwdConfig
+
+ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@gluon.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating cleanly to +-1.
+    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
+
+
+@gluon.jit
+def _tile_coords(tile, n_m, bh_total, ORDER: gl.constexpr):
+    """(batch * heads + head, query block) of a work tile. ORDER 0: query blocks fastest, in
+    order; 1: query blocks fastest, heaviest (last, for causal) first; 2: heads fastest,
+    heaviest first (longest-processing-time order across the whole grid)."""
+    if ORDER == 2:
+        bh = tile % bh_total
+        m_blk = n_m - 1 - tile // bh_total
+    else:
+        bh = tile // n_m
+        if ORDER == 1:
+            m_blk = n_m - 1 - tile % n_m
+        else:
+            m_blk = tile % n_m
+    return bh, m_blk
+
+
+@gluon.jit
+def _kv_range(q_start, seq_k, offset, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Key tiles [lo, hi) that query rows [q_start, q_start + BLOCK_M) can see, and the
+    unmasked middle run [full_lo, full_hi). Same rule as the portable kernels' _inner_range."""
+    last = q_start + BLOCK_M - 1
+    hi = seq_k
+    if MASK_RIGHT:
+        hi = gl.minimum(hi, last + offset + right + 1)
+    hi = gl.maximum(hi, 0)
+    hi = gl.cdiv(hi, BLOCK_N) * BLOCK_N
+    lo = 0
+    if MASK_LEFT:
+        lo = gl.maximum(q_start + offset - left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    lo = gl.minimum(lo, hi)
+    full_hi = (seq_k // BLOCK_N) * BLOCK_N
+    if MASK_RIGHT:
+        full_hi = gl.minimum(full_hi, ((q_start + offset + right + 1) // BLOCK_N) * BLOCK_N)
+    full_lo = lo
+    if MASK_LEFT:
+        full_lo = gl.maximum(full_lo, gl.cdiv(last + offset - left, BLOCK_N) * BLOCK_N)
+    full_lo = gl.minimum(full_lo, hi)
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
+              q_full, q_empty, k_full, k_empty, v_full, v_empty,
+              n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
+              GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, ORDER: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    q_layout: gl.constexpr = desc_q.layout
+    kv_layout: gl.constexpr = desc_k.layout
+    kv_count = 0
+    t_local = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        bh, m_blk = _tile_coords(tile, n_m, bh_total, ORDER)
+        b = bh // heads_q
+        h = bh % heads_q
+        hk = h // GQA
+        q_start = m_blk * BLOCK_M
+        lo, full_lo, full_hi, hi = _kv_range(q_start, seq_k, offset, left, right, BLOCK_M,
+                                             BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
+            mbarrier.expect(q_full.index(c), desc_q.block_type.nbytes)
+            dst = q_smem.index(c)._reinterpret(desc_q.dtype, [1, 1, 64, D], q_layout)
+            tma.async_copy_global_to_shared(desc_q, [b, h, q_start + c * 64, 0], q_full.index(c),
+                                            dst)
+        for start in range(lo, hi, BLOCK_N):
+            buf = kv_count % STAGES
+            phase = ((kv_count // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(buf), phase)
+            mbarrier.expect(k_full.index(buf), desc_k.block_type.nbytes)
+            k_dst = k_smem.index(buf)._reinterpret(desc_k.dtype, [1, 1, BLOCK_N, D], kv_layout)
+            tma.async_copy_global_to_shared(desc_k, [b, hk, start, 0], k_full.index(buf), k_dst)
+            mbarrier.wait(v_empty.index(buf), phase)
+            mbarrier.expect(v_full.index(buf), desc_v.block_type.nbytes)
+            v_dst = v_smem.index(buf)._reinterpret(desc_v.dtype, [1, 1, BLOCK_N, D], kv_layout)
+            tma.async_copy_global_to_shared(desc_v, [b, hk, start, 0], v_full.index(buf), v_dst)
+            kv_count += 1
+        t_local += 1
+
+
+@gluon.jit
+def _mask_scores(s, rows, start, seq_k, offset, left, right,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                 col_layout: gl.constexpr):
+    cols = start + gl.arange(0, BLOCK_N, layout=col_layout)
+    vis = cols[None, :] < seq_k
+    if MASK_LEFT:
+        vis = vis & (cols[None, :] >= rows[:, None] + offset - left)
+    if MASK_RIGHT:
+        vis = vis & (cols[None, :] <= rows[:, None] + offset + right)
+    return gl.where(vis, s, -float("inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, start, seq_k,
+                  offset, left, right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    """One online-softmax update. Returns (p, alpha, m_new, l_new); scores in log2 units."""
+    if SOFTCAP:
+        s = _tanh(s * cap_scale) * cap_log2
+        scale = 1.0
+    else:
+        scale = qk_scale
+    if need_mask:
+        s = _mask_scores(s, rows, start, seq_k, offset, left, right, MASK_LEFT, MASK_RIGHT,
+                         BLOCK_N, col_layout)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN).
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    p = gl.exp2(s * scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
+              q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
+              O, LSE, stride_ob, stride_oh, stride_om,
+              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+              qk_scale, cap_scale, cap_log2,
+              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = v_smem.dtype
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    kv_count = 0
+    t_local = 0
+    turns = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        bh, m_blk = _tile_coords(tile, n_m, bh_total, ORDER)
+        q_start = m_blk * BLOCK_M
+        lo, full_lo, full_hi, hi = _kv_range(q_start, seq_k, offset, left, right, BLOCK_M,
+                                             BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        n_iters = (hi - lo) // BLOCK_N
+        row0 = q_start + cid * 64
+        rows = row0 + gl.arange(0, 64, layout=row_s)
+        m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([64], gl.float32, layout=row_s)
+        acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+        mbarrier.wait(q_full.index(cid), t_local & 1)
+        q = q_smem.index(cid)
+        if n_iters > 0:
+            # Prologue: S of the first key tile, its softmax.
+            buf = kv_count % STAGES
+            phase = (kv_count // STAGES) & 1
+            mbarrier.wait(k_full.index(buf), phase)
+            if PINGPONG:
+                mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+            s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - cid), count=1)
+                turns += 1
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(buf), count=1)
+            p, alpha, m_i, l_i = _softmax_step(
+                s, m_i, l_i, qk_scale, cap_scale, cap_log2, (lo < full_lo) | (lo >= full_hi),
+                rows, lo, seq_k, offset, left, right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N,
+                col_s)
+            # Steady state: S(j) in flight while PV(j-1) runs and softmax(j) follows.
+            for j in range(1, n_iters):
+                start = lo + j * BLOCK_N
+                cnt = kv_count + j
+                buf = cnt % STAGES
+                phase = (cnt // STAGES) & 1
+                pbuf = (cnt - 1) % STAGES
+                pphase = ((cnt - 1) // STAGES) & 1
+                mbarrier.wait(k_full.index(buf), phase)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.wait(v_full.index(pbuf), pphase)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+                s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+                acc = warpgroup_mma(p16, v_smem.index(pbuf), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - cid), count=1)
+                    turns += 1
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+                mbarrier.arrive(k_empty.index(buf), count=1)
+                p, alpha_j, m_i, l_i = _softmax_step(
+                    s, m_i, l_i, qk_scale, cap_scale, cap_log2,
+                    (start < full_lo) | (start >= full_hi), rows, start, seq_k, offset, left,
+                    right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N, col_s)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(pbuf), count=1)
+                acc = acc * gl.convert_layout(alpha_j, row_o)[:, None]
+            # Epilogue: PV of the last key tile.
+            cnt = kv_count + n_iters - 1
+            lbuf = cnt % STAGES
+            mbarrier.wait(v_full.index(lbuf), (cnt // STAGES) & 1)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            if PINGPONG:
+                mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+            acc = warpgroup_mma(p16, v_smem.index(lbuf), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - cid), count=1)
+                turns += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(lbuf), count=1)
+        # Every product that read Q has completed: the producer may load the next tile's Q.
+        mbarrier.arrive(q_empty.index(cid), count=1)
+        kv_count += n_iters
+        t_local += 1
+
+        # Rows that saw no key: O = 0 and LSE = +inf (the backward's P = exp(s - lse) = 0).
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
+        b = (bh // heads_q).to(gl.int64)
+        h = (bh % heads_q).to(gl.int64)
+        rows_o = row0 + gl.arange(0, 64, layout=row_o)
+        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = O + b * stride_ob + h * stride_oh + rows_o.to(gl.int64)[:, None] * stride_om \
+            + cols_o[None, :]
+        gl.store(o_ptrs, out.to(dtype), mask=(rows_o < seq_q)[:, None])
+        gl.store(LSE + bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(
+    desc_q, desc_k, desc_v, O, LSE,
+    stride_ob, stride_oh, stride_om,
+    heads_q, seq_q, seq_k, left, right, n_m, n_tiles,
+    qk_scale, cap_scale, cap_log2,
+    GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(not PINGPONG or CONSUMERS == 2)
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    dtype: gl.constexpr = desc_q.dtype
+    offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
+    bh_total = n_tiles // n_m
+    # 2-D shared tiles for the tensor cores; TMA writes them through rank-4 views.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(desc_q.layout.swizzle_byte_width, 16)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout(desc_k.layout.swizzle_byte_width, 16)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
+                          q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                          n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
+                          q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                          n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+        ], [4], [CONSUMER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def tma_describable(*ts: torch.Tensor) -> str:
+    """'' if TMA can describe every tensor (unit inner stride, 16-byte aligned base and
+    strides), else the reason it cannot."""
+    for t in ts:
+        if t.stride(-1) != 1:
+            return f"inner stride {t.stride(-1)} != 1"
+        if t.data_ptr() % 16:
+            return "base address not 16-byte aligned"
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return f"strides {tuple(t.stride())} not 16-byte aligned"
+    return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> Any:
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPES[dtype])
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> Any:
+    d = t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
+                            _smem_layout(rows, d, t.dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def attn_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
+                    mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
+                    softcap: float, config: FwdConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Gluon forward. ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and
+    ``scales`` (qk_scale, cap_scale, cap_log2), as the portable launcher computes them.
+    The caller has checked feasibility and that TMA can describe q, k, v."""
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    left, right, mask_left, mask_right = mask
+    qk_scale, cap_scale, cap_log2 = scales
+    c = config
+    consumers = c.block_m // ROWS_PER_WG
+    n_m = -(-sq // c.block_m)
+    n_tiles = n_m * b * hq
+    grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
+    _attn_fwd_hopper_kernel[(grid_size,)](
+        _descriptor(q, ROWS_PER_WG), _descriptor(k, c.block_n), _descriptor(v, c.block_n),
+        o, lse, o.stride(0), o.stride(1), o.stride(2),
+        hq, sq, sk, left, right, n_m, n_tiles,
+        qk_scale, cap_scale, cap_log2,
+        GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
+        ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
+        MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
+        num_warps=4,
+    )
+    return o, lse
