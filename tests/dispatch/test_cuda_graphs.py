@@ -10,7 +10,7 @@ import flashtune
 from flashtune import dispatch
 from flashtune.kernels import attention
 from flashtune.kernels.config import default_bwd, default_fwd
-from tests.test_dispatch import BWD_A, FWD_A, fresh_db, prob, put
+from tests.dispatch.test_dispatch import BWD_A, FWD_A, fresh_db, prob, put
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.test_dispatch import BWD_A, FWD_A, FWD_B, prob, put
+from tests.dispatch.test_dispatch import BWD_A, FWD_A, FWD_B, prob, put
 
 WORLD = 2
 

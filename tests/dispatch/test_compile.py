@@ -14,7 +14,7 @@ import torch
 import flashtune
 from flashtune import dispatch
 from flashtune.kernels.config import config_to_dict
-from tests.test_dispatch import FWD_A, fresh_db, prob, put
+from tests.dispatch.test_dispatch import FWD_A, fresh_db, prob, put
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""`autotune` commands: db family (export, import, show).
+"""`autotune` commands: the database family (export, import, show).
 
 Expected failures (bad file, unreadable database, ...) print one line to stderr and
 exit with status 1, never a traceback. ``db_option`` is the shared ``--db`` option and
@@ -8,67 +8,16 @@ exit with status 1, never a traceback. ``db_option`` is the shared ``--db`` opti
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
-from flashtune.exceptions import FlashtuneError
-
-COMMANDS: list[click.Command] = []
-
-db_option = click.option(
-    "--db", "db_url", metavar="URL", default=None,
-    help="Database path or SQLAlchemy URL (default: $FLASHTUNE_DB, else tuning.db in the "
-         "user cache directory).")
+from flashtune.cli._common import clean_errors, db_option, write_atomically
 
 
-def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
-    """``--direction``, ``--trials`` and ``--time-budget``: what to tune and for how long."""
-    def apply(fn: Any) -> Any:
-        fn = click.option("--time-budget", type=click.FloatRange(min=0, min_open=True),
-                          default=None, metavar="S", help=time_help)(fn)
-        fn = click.option("--trials", type=click.IntRange(min=1), default=None,
-                          help=trials_help)(fn)
-        return click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]),
-                            default="both", show_default=True)(fn)
-    return apply
-
-
-def _command(fn: Callable[..., Any]) -> click.Command:
-    cmd = click.command(fn.__name__.rstrip("_"))(fn)
-    COMMANDS.append(cmd)
-    return cmd
-
-
-@contextmanager
-def _clean_errors() -> Iterator[None]:
-    """Turn expected failures into one line on stderr and exit status 1."""
-    try:
-        yield
-    except (FlashtuneError, OSError) as e:
-        text = " ".join(str(e).split()) or type(e).__name__
-        raise click.ClickException(text) from None
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-@_command
+@click.command("export")
 @click.argument("path", type=click.Path(dir_okay=False, allow_dash=True))
 @db_option
 @click.option("--device", metavar="TEXT", default=None,
@@ -78,18 +27,18 @@ def export(path: str, db_url: str | None, device: str | None) -> None:
     from flashtune.db.exchange import export_json
     from flashtune.db.storage import open_storage
 
-    with _clean_errors():
+    with clean_errors():
         with open_storage(db_url, read_only=True) as storage:
             data = export_json(storage, device=device)
         if path == "-":
             sys.stdout.buffer.write(data)
             return
-        _write_atomically(Path(path), data)
+        write_atomically(Path(path), data)
     n = json.loads(data)["entries"]
     click.echo(f"exported {len(n)} entries to {path}", err=True)
 
 
-@_command
+@click.command("import")
 @click.argument("path", type=click.Path(dir_okay=False, allow_dash=True))
 @db_option
 @click.option("--prefer", type=click.Choice(["faster", "ours", "theirs"]), default="faster",
@@ -101,7 +50,7 @@ def import_(path: str, db_url: str | None, prefer: str) -> None:
     from flashtune.db.storage import open_storage
     from flashtune.exceptions import ImportValidationError
 
-    with _clean_errors():
+    with clean_errors():
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
         try:
             validate_export(data)  # before the database is even opened
@@ -123,7 +72,7 @@ def _show_entry(r: Any) -> dict[str, Any]:
     return e
 
 
-@_command
+@click.command("show")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of entries.")
 @click.option("--stale", is_flag=True, help="Include stale results (other software).")
@@ -131,7 +80,7 @@ def show(db_url: str | None, as_json: bool, stale: bool) -> None:
     """List the tuned results of the database (fresh ones unless --stale)."""
     from flashtune.db.storage import open_storage
 
-    with _clean_errors(), open_storage(db_url, read_only=True) as storage:
+    with clean_errors(), open_storage(db_url, read_only=True) as storage:
         results = storage.results()
         misses = storage.misses()
     shown = [r for r in results if stale or not r.stale]

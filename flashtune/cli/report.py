@@ -16,12 +16,15 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import math
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from flashtune._cli_db import _write_atomically
+import click
+
+from flashtune.cli._common import clean_errors, db_option, write_atomically
 
 
 def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
@@ -139,8 +142,8 @@ def build(db_url: str | None, out_dir: Path, *, bench: dict[str, Any] | None = N
 
     out_dir.mkdir(parents=True, exist_ok=True)
     png, page = out_dir / "report.png", out_dir / "report.html"
-    _write_atomically(png, png_bytes)
-    _write_atomically(page, _html(png_bytes, labels, series, curves, unit, bench, url).encode())
+    write_atomically(png, png_bytes)
+    write_atomically(page, _html(png_bytes, labels, series, curves, unit, bench, url).encode())
     for f in (png, page):  # a report is for reading: the temp file's 0600 is too strict
         f.chmod(0o644)
     return png, page
@@ -183,3 +186,29 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}td:first-child{{t
 <table><tr><th>problem</th><th>device</th><th>trials</th><th>best {e(unit)}</th></tr>{crow}</table>
 </body></html>
 """
+
+
+@click.command("report")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="flashtune-report",
+              show_default=True, help="Folder for report.png and report.html.")
+@click.option("--bench", "bench_file", type=click.Path(exists=True, dir_okay=False),
+              default=None, metavar="FILE",
+              help="`autotune bench --json` output: TFLOP/s of every implementation.")
+@click.option("--device", default=None, metavar="TEXT",
+              help="Only this device: a fingerprint or part of its name.")
+@db_option
+def report(out_dir: str, bench_file: str | None, device: str | None,
+           db_url: str | None) -> None:
+    """Draw TFLOP/s per shape for each implementation and the tuning progress curves."""
+    with clean_errors():
+        bench_doc = None
+        if bench_file:
+            try:
+                bench_doc = json.loads(Path(bench_file).read_text())
+                if not isinstance(bench_doc, dict) or "rows" not in bench_doc:
+                    raise ValueError("no 'rows'")
+            except ValueError as e:
+                raise click.ClickException(
+                    f"{bench_file}: not `autotune bench --json` output ({e})") from None
+        png, html = build(db_url, Path(out_dir), bench=bench_doc, device=device)
+    click.echo(f"wrote {png} and {html}")

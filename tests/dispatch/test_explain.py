@@ -11,7 +11,7 @@ from flashtune import dispatch
 from flashtune.db import exchange, open_storage
 from flashtune.kernels import attention
 from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
-from tests.test_dispatch import BWD_A, FWD_A, FWD_B, fresh_db, prob, put, qkv
+from tests.dispatch.test_dispatch import BWD_A, FWD_A, FWD_B, fresh_db, prob, put, qkv
 
 
 @pytest.fixture

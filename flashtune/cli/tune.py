@@ -15,9 +15,7 @@ from typing import Any
 
 import click
 
-from flashtune._cli_db import _clean_errors, db_option, search_options
-
-COMMANDS: list[click.Command] = []
+from flashtune.cli._common import clean_errors, db_option, search_options
 
 
 def _progress(ev: dict[str, Any]) -> None:
@@ -79,7 +77,7 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
                           dtype=dtype, causal=causal, window=window, softcap=softcap)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    with _clean_errors():
+    with clean_errors():
         res = tune(problem, direction, trials=trials, time_budget=time_budget,
                    storage=db_url, interpret=interpret or None, patience=patience,
                    trial_timeout=trial_timeout, compile_workers=compile_workers, seed=seed,
@@ -103,5 +101,3 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
         click.echo(f"  stored   {'yes' if r.stored else 'no (a faster result was kept)'} in "
                    f"{r.storage_url}; study {r.study_name}")
 
-
-COMMANDS.append(tune_cmd)

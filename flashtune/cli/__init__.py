@@ -1,0 +1,24 @@
+"""The ``autotune`` command line (click group).
+
+Each command family lives in its own module (tune, sweep, db, bench, report, info);
+this file only wires their commands into the group. ``python -m flashtune.cli`` is the
+same as ``autotune``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from flashtune._version import __version__
+from flashtune.cli import bench, db, info, report, sweep, tune
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="flashtune")
+def main() -> None:
+    """flashtune: autotuned Triton flash-attention kernels and their tuning database."""
+
+
+for _cmd in (db.export, db.import_, db.show, tune.tune_cmd, sweep.sweep, bench.bench,
+             report.report, info.info):
+    main.add_command(_cmd)

@@ -1,0 +1,168 @@
+"""What every `autotune` command shares: options, clean errors, atomic writes, output.
+
+Expected failures (bad file, unreadable database, ...) print one line to stderr and
+exit with status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flashtune._env import interpreting
+from flashtune.exceptions import FlashtuneError
+
+NO_GPU = ("no CUDA GPU found: `autotune {cmd}` runs kernels. Run it on a machine with a CUDA "
+          "GPU, or pass --interpret to use Triton's CPU interpreter (slow; its timings are "
+          "not GPU timings).")
+
+db_option = click.option(
+    "--db", "db_url", metavar="URL", default=None,
+    help="Database path or SQLAlchemy URL (default: $FLASHTUNE_DB, else tuning.db in the "
+         "user cache directory).")
+
+
+def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
+    """``--direction``, ``--trials`` and ``--time-budget``: what to tune and for how long."""
+    def apply(fn: Any) -> Any:
+        fn = click.option("--time-budget", type=click.FloatRange(min=0, min_open=True),
+                          default=None, metavar="S", help=time_help)(fn)
+        fn = click.option("--trials", type=click.IntRange(min=1), default=None,
+                          help=trials_help)(fn)
+        return click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]),
+                            default="both", show_default=True)(fn)
+    return apply
+
+@contextmanager
+def clean_errors() -> Iterator[None]:
+    """Turn expected failures into one line on stderr and exit status 1."""
+    try:
+        yield
+    except (FlashtuneError, OSError) as e:
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise click.ClickException(text) from None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def kernel_mode(cmd: str, interpret: bool) -> bool:
+    """Choose GPU or Triton's interpreter before any kernel is defined; True = interpreter.
+
+    TRITON_INTERPRET must be in the environment before flashtune.kernels is imported; if
+    they were already imported without it, re-run this command in a fresh interpreter.
+    """
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+        mod = sys.modules.get("flashtune.kernels.attention")
+        if mod is not None and not getattr(mod, "_INTERPRET", True):
+            os.execv(sys.executable, [sys.executable, "-m", "flashtune.cli", *sys.argv[1:]])
+    if interpreting():
+        return True
+    import torch
+
+    if not torch.cuda.is_available():
+        raise click.ClickException(NO_GPU.format(cmd=cmd))
+    return False
+
+
+def shape_set(preset: str | None, shapes: str | None, from_misses: bool,
+               db_url: str | None) -> tuple[str, list[Any]]:
+    """(description, problems) of the chosen shape set; the default is the standard preset."""
+    from flashtune.autotune.presets import load_shapes
+    from flashtune.autotune.presets import preset as get_preset
+
+    chosen = [n for n, v in (("--preset", preset), ("--shapes", shapes),
+                             ("--from-misses", from_misses)) if v]
+    if len(chosen) > 1:
+        raise click.UsageError(f"choose one shape set, got {' and '.join(chosen)}")
+    try:
+        if shapes:
+            return f"shapes file {shapes}", load_shapes(shapes)
+        if from_misses:
+            return "recorded misses", recorded_misses(db_url)
+        name = preset or "standard"
+        return f"preset {name}", get_preset(name)
+    except (ValueError, OSError, FlashtuneError) as e:
+        raise click.ClickException(" ".join(str(e).split())) from None
+
+
+def recorded_misses(db_url: str | None) -> list[Any]:
+    from flashtune.db.fingerprint import device_info
+    from flashtune.db.storage import open_storage
+    from flashtune.exceptions import DatabaseMissingError
+
+    try:
+        with open_storage(db_url, read_only=True) as st:
+            found = st.misses(device=device_info().fingerprint)
+    except DatabaseMissingError:
+        found = []
+    if not found:
+        raise ValueError("the database has no recorded dispatcher misses for this device; "
+                         "run your model with flashtune first, or use --preset/--shapes")
+    return [p for _, _, p in found]
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # A pipe or a file gets whole rows: wide tables wrap badly at rich's default 80 columns.
+    width = None if stream.isatty() else 200
+    return Console(file=stream, highlight=False, soft_wrap=False, width=width)
+
+
+def shape_label(p: Any) -> str:
+    kv = f"/{p.heads_kv}" if p.heads_kv != p.heads_q else ""
+    sk = f"x{p.seqlen_k}" if p.seqlen_k != p.seqlen_q else ""
+    extra = (" causal" if p.causal else "") + (f" win{list(p.window)}" if p.has_window else "") \
+        + (f" cap{p.softcap:g}" if p.softcap else "")
+    return f"{p.batch}x{p.heads_q}{kv}x{p.seqlen_q}{sk}x{p.head_dim} {p.dtype}{extra}"
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def shape_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from flashtune.autotune.presets import PRESETS
+
+    fn = click.option("--from-misses", is_flag=True,
+                      help="The problems the dispatcher recorded as misses on this device.")(fn)
+    fn = click.option("--shapes", type=click.Path(exists=True, dir_okay=False), default=None,
+                      metavar="FILE", help="A YAML or JSON list of shapes (see docs).")(fn)
+    fn = click.option("--preset", type=click.Choice(list(PRESETS)), default=None,
+                      help="A named shape set (default: standard).")(fn)
+    return fn
+
+
+def where(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def db_file(url: str) -> str | None:
+    """The SQLite file of ``url`` (None for a server or memory)."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    return os.path.abspath(u.database)

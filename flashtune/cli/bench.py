@@ -1,0 +1,165 @@
+"""`autotune bench`: tuned, default, SDPA backends and FlexAttention over a shape set."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from flashtune.cli._common import (
+    clean_errors,
+    console,
+    db_option,
+    fmt,
+    kernel_mode,
+    shape_label,
+    shape_options,
+    shape_set,
+)
+
+
+def _impls(p: Any, storage: Any, device: Any, software: Any,
+           interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({name: attn(q, k, v)}, {"tuned": which directions were tuned})."""
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.kernels.config import config_from_dict, default_bwd, default_fwd
+    from flashtune.timing import anchors
+
+    def ours(fwd: Any, bwd: Any) -> Any:
+        return lambda q, k, v: flash_attention(q, k, v, causal=p.causal, window_size=p.window,
+                                               softcap=p.softcap, config=(fwd, bwd))
+
+    dflt = (default_fwd(p), default_bwd(p))
+    tuned: dict[str, Any] = {}
+    for d in ("fwd", "bwd"):
+        r = storage.get_result(device, software, p.key(d)) if storage is not None else None
+        if r is not None:
+            tuned[d] = config_from_dict(d, r.config)
+    impls: dict[str, Any] = {}
+    if tuned:
+        impls["tuned"] = ours(tuned.get("fwd", dflt[0]), tuned.get("bwd", dflt[1]))
+    impls["default"] = ours(*dflt)
+    if not interpreter:
+        impls.update(anchors(p))
+    return impls, {"tuned": sorted(tuned)}
+
+
+def _bench_rows(problems: list[Any], storage: Any, interpreter: bool, rep_ms: float,
+                progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
+    from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.timing import three_timings
+
+    device, software = device_info(), software_info()
+    dev = "cpu" if interpreter else "cuda"
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for i, p in enumerate(problems):
+        progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
+        impls, info = _impls(p, storage, device, software, interpreter)
+        timings: dict[str, dict[str, Any]] = {}
+        for name, fn in impls.items():
+            try:
+                with warnings.catch_warnings():
+                    # SDPA explains at length why a forced backend cannot run a shape; the
+                    # error below says it in one line.
+                    warnings.simplefilter("ignore", UserWarning)
+                    timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
+            except Exception as e:  # an anchor that cannot run this shape is left out
+                errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}")
+        for kind in ("fwd", "bwd", "infer"):
+            flops = p.flops("bwd" if kind == "bwd" else "fwd")
+            tf = {n: t[kind].tflops(flops) for n, t in timings.items()}
+            ms = {n: t[kind].median_ms for n, t in timings.items()}
+            rows.append({"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
+                         "tflops": tf, "ms": ms, "ratios": _ratios(tf),
+                         "tuned_directions": info["tuned"]})
+    return rows, errors
+
+
+def _ratios(tf: dict[str, float]) -> dict[str, float]:
+    """Ours against the others: tuned (or default when untuned) over each other impl."""
+    ours = "tuned" if "tuned" in tf else "default"
+    return {f"{ours}/{n}": tf[ours] / v for n, v in tf.items() if n != ours and v > 0}
+
+
+@click.command("bench")
+@shape_options
+@click.option("--rep-ms", type=click.FloatRange(min=1), default=100.0, show_default=True,
+              help="do_bench repetition time per measurement.")
+@click.option("--interpret", is_flag=True,
+              help="Run Triton's CPU interpreter (tests and demos; not GPU timings).")
+@db_option
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
+          interpret: bool, db_url: str | None, as_json: bool) -> None:
+    """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
+
+    TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
+    inference forward, all timed in this process; ratios are ours over each other.
+    """
+    interpreter = kernel_mode("bench", interpret)
+    _, problems = shape_set(preset, shapes, from_misses, db_url)
+    from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.db.storage import open_storage
+    from flashtune.exceptions import DatabaseMissingError
+    from flashtune.timing import geomean
+
+    with clean_errors():
+        try:
+            storage = open_storage(db_url, read_only=True)
+        except DatabaseMissingError:
+            storage = None  # nothing tuned yet: default and anchors only
+        try:
+            quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
+            rows, errors = _bench_rows(problems, storage, interpreter, rep_ms, quiet)
+        finally:
+            if storage is not None:
+                storage.close()
+    names = sorted({r for row in rows for r in row["ratios"]})
+    summary = {kind: {n: geomean([row["ratios"][n] for row in rows
+                                  if row["timing"] == kind and n in row["ratios"]])
+                      for n in names} for kind in ("fwd", "bwd", "infer")}
+    if as_json:
+        import datetime
+
+        click.echo(json.dumps({
+            "device": device_info().as_dict(), "software": software_info().as_dict(),
+            "interpreter": interpreter,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rows": rows, "geomean_ratios": summary, "errors": errors},
+            indent=2, sort_keys=True, default=str))
+        return
+    console().print(_bench_table(rows, interpreter))
+    for kind, r in summary.items():
+        shown = "  ".join(f"{n} {v:.2f}x" for n, v in r.items() if v == v)
+        if shown:
+            click.echo(f"geomean {kind}: {shown}")
+    for e in errors:
+        click.echo(f"skipped {e}", err=True)
+
+
+_IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")
+
+
+def _bench_table(rows: list[dict[str, Any]], interpreter: bool) -> Any:
+    from rich.table import Table
+
+    impls = [n for n in _IMPL_ORDER if any(n in r["tflops"] for r in rows)]
+    ratios = sorted({n for r in rows for n in r["ratios"]},
+                    key=lambda n: _IMPL_ORDER.index(n.split("/")[1]))
+    unit = "TFLOP/s, interpreter" if interpreter else "TFLOP/s"
+    table = Table(title=f"attention {unit}")
+    table.add_column("shape")
+    table.add_column("timing")
+    for n in impls:
+        table.add_column(n, justify="right")
+    for n in ratios:
+        table.add_column(n, justify="right", style="bold")
+    for r in rows:
+        table.add_row(r["shape"], r["timing"], *[fmt(r["tflops"].get(n), ".3g") for n in impls],
+                      *[fmt(r["ratios"].get(n), ".2f") for n in ratios])
+    return table
