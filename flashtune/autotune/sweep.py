@@ -162,7 +162,7 @@ def _engine(url: str) -> Any:
     from sqlalchemy import create_engine, event
     from sqlalchemy.engine import make_url
 
-    from flashtune.db.storage import resolve_url
+    from flashtune.db import resolve_url
 
     u = make_url(resolve_url(url))
     if u.get_backend_name() == "sqlite":
@@ -465,7 +465,7 @@ def prepare_optuna(url: str) -> None:
     """Create Optuna's tables in ``url`` before the workers start (``optuna_storage``
     retries the creation race, so workers that start together would also be safe)."""
     from flashtune.autotune.tuner import optuna_storage
-    from flashtune.db.storage import resolve_url
+    from flashtune.db import resolve_url
 
     optuna_storage(resolve_url(url))
 
@@ -478,8 +478,8 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
     A KeyboardInterrupt releases the task in hand and propagates.
     """
     from flashtune.autotune import TuneSession
+    from flashtune.db import open_storage
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.db.storage import open_storage
 
     worker = worker or worker_id()
     did = {"done": 0, "failed": 0, "cached": 0}

@@ -104,8 +104,8 @@ def shape_set(preset: str | None, shapes: str | None, from_misses: bool,
 
 
 def recorded_misses(db_url: str | None) -> list[Any]:
+    from flashtune.db import open_storage
     from flashtune.db.fingerprint import device_info
-    from flashtune.db.storage import open_storage
     from flashtune.exceptions import DatabaseMissingError
 
     try:

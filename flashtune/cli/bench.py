@@ -103,8 +103,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
+    from flashtune.db import open_storage
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.db.storage import open_storage
     from flashtune.exceptions import DatabaseMissingError
     from flashtune.timing import geomean
 

@@ -24,8 +24,8 @@ from flashtune.cli._common import clean_errors, db_option, write_atomically
               help="Only this device: a fingerprint or part of its name.")
 def export(path: str, db_url: str | None, device: str | None) -> None:
     """Write the database as a JSON export document to PATH ('-' for stdout)."""
+    from flashtune.db import open_storage
     from flashtune.db.exchange import export_json
-    from flashtune.db.storage import open_storage
 
     with clean_errors():
         with open_storage(db_url, read_only=True) as storage:
@@ -46,8 +46,8 @@ def export(path: str, db_url: str | None, device: str | None) -> None:
               help="On a conflict keep the faster result, the stored one, or the file's.")
 def import_(path: str, db_url: str | None, prefer: str) -> None:
     """Validate the export document PATH completely, then merge it into the database."""
+    from flashtune.db import open_storage
     from flashtune.db.exchange import import_json, validate_export
-    from flashtune.db.storage import open_storage
     from flashtune.exceptions import ImportValidationError
 
     with clean_errors():
@@ -78,7 +78,7 @@ def _show_entry(r: Any) -> dict[str, Any]:
 @click.option("--stale", is_flag=True, help="Include stale results (other software).")
 def show(db_url: str | None, as_json: bool, stale: bool) -> None:
     """List the tuned results of the database (fresh ones unless --stale)."""
-    from flashtune.db.storage import open_storage
+    from flashtune.db import open_storage
 
     with clean_errors(), open_storage(db_url, read_only=True) as storage:
         results = storage.results()

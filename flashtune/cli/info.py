@@ -32,9 +32,9 @@ def info_dict(db_url: str | None) -> dict[str, Any]:
     import torch
 
     from flashtune._version import __version__
+    from flashtune.db import open_storage, resolve_url
     from flashtune.db.exchange import shipped_results
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.db.storage import open_storage, resolve_url
     from flashtune.exceptions import DatabaseMissingError
 
     def version(dist: str) -> str:

@@ -71,7 +71,7 @@ def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
 
 
 def _bars_from_db(url: str, device: str | None) -> tuple[list[str], dict[str, list[float]]]:
-    from flashtune.db.storage import open_storage
+    from flashtune.db import open_storage
     from flashtune.exceptions import DatabaseMissingError
 
     try:
@@ -100,7 +100,7 @@ def build(db_url: str | None, out_dir: Path, *, bench: dict[str, Any] | None = N
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from flashtune.db.storage import resolve_url
+    from flashtune.db import resolve_url
 
     url = resolve_url(db_url)
     labels, series = _bars_from_bench(bench) if bench else _bars_from_db(url, device)

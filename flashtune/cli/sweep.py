@@ -238,8 +238,8 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
     gpu_ids = _parse_gpus(gpus)
     title, problems = shape_set(preset, shapes, from_misses, db_url)
     from flashtune.autotune.sweep import Board, Options, prepare_optuna, run_worker, tasks_for
+    from flashtune.db import open_storage, resolve_url
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.db.storage import open_storage, resolve_url
 
     dirs = ["fwd", "bwd"] if direction == "both" else [direction]
     with clean_errors():

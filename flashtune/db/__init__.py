@@ -7,14 +7,17 @@ loads it on first call.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+from flashtune._env import cache_home, database_url
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, device_info, software_info
-from flashtune.db.storage import Result, Storage, open_storage
+from flashtune.db.storage import Result, Storage, provenance
 
 __all__ = ["DeviceInfo", "SoftwareInfo", "device_info", "software_info", "Result", "Storage",
-           "open_storage", "export_json", "import_json", "validate_export", "shipped_results",
-           "ImportReport"]
+           "open_storage", "resolve_url", "default_path", "provenance", "export_json",
+           "import_json", "validate_export", "shipped_results", "ImportReport"]
 
 _EXCHANGE = ("export_json", "import_json", "validate_export", "shipped_results",
              "ImportReport")
@@ -26,3 +29,37 @@ def __getattr__(name: str) -> Any:
 
         return getattr(exchange, name)
     raise AttributeError(f"module 'flashtune.db' has no attribute {name!r}")
+
+
+def default_path() -> Path:
+    """``$XDG_CACHE_HOME/flashtune/tuning.db``, or ``~/.cache/flashtune/tuning.db``."""
+    cache = cache_home()
+    return Path(cache) / "flashtune" / "tuning.db"
+
+
+def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
+    """The SQLAlchemy URL for ``url``: None means ``FLASHTUNE_DB`` or :func:`default_path`;
+    a plain path means SQLite at that path; ``postgresql://`` uses psycopg (v3)."""
+    if url is None:
+        url = database_url() or default_path()
+    text = os.fspath(url)
+    if "://" not in text:
+        return "sqlite:///" + str(Path(text).expanduser().absolute())
+    for plain in ("postgresql://", "postgres://"):
+        if text.startswith(plain):
+            return "postgresql+psycopg://" + text[len(plain):]
+    return text
+
+
+def open_storage(url: str | os.PathLike[str] | None = None, *,
+                 read_only: bool = False, busy_timeout: float | None = None) -> Storage:
+    """Open (creating or upgrading if needed, unless ``read_only``) the tuning database.
+
+    See :func:`resolve_url` for ``url``. SQLite runs in WAL mode with a 30 s busy
+    timeout (``busy_timeout`` seconds instead, e.g. short for the dispatcher, which must
+    never stall a training step); a read-only database that does not exist raises a
+    StorageError.
+    """
+    from flashtune.db.rdb import RDBStorage
+
+    return RDBStorage(resolve_url(url), read_only=read_only, busy_timeout=busy_timeout)

@@ -35,7 +35,6 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from flashtune.db.exchange import check_result, sort_key
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
     SCHEMA_REVISION,
@@ -48,6 +47,7 @@ from flashtune.db.models import (
     Software,
 )
 from flashtune.db.storage import PREFER, Result, Storage
+from flashtune.db.validation import check_result, sort_key
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
 from flashtune.problem import Problem, ProblemKey
 

@@ -1,23 +1,18 @@
-"""The storage API of the tuning database: the :class:`Storage` contract and
-:func:`open_storage`.
+"""The storage contract of the tuning database: :class:`Result` and :class:`Storage`.
 
-This module imports no database driver; :func:`open_storage` loads the SQLAlchemy
-implementation (:mod:`flashtune.db.rdb`) on first use, so the shipped layer and the
-export format can be read without it.
+The contract only: :func:`flashtune.db.open_storage` opens the SQLAlchemy implementation
+(:mod:`flashtune.db.rdb`). This module imports no database driver.
 """
 
 from __future__ import annotations
 
 import abc
-import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-from flashtune._env import cache_home, database_url
 from flashtune._version import __version__
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 from flashtune.problem import Problem, ProblemKey
@@ -194,40 +189,6 @@ class Storage(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def default_path() -> Path:
-    """``$XDG_CACHE_HOME/flashtune/tuning.db``, or ``~/.cache/flashtune/tuning.db``."""
-    cache = cache_home()
-    return Path(cache) / "flashtune" / "tuning.db"
-
-
-def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
-    """The SQLAlchemy URL for ``url``: None means ``FLASHTUNE_DB`` or :func:`default_path`;
-    a plain path means SQLite at that path; ``postgresql://`` uses psycopg (v3)."""
-    if url is None:
-        url = database_url() or default_path()
-    text = os.fspath(url)
-    if "://" not in text:
-        return "sqlite:///" + str(Path(text).expanduser().absolute())
-    for plain in ("postgresql://", "postgres://"):
-        if text.startswith(plain):
-            return "postgresql+psycopg://" + text[len(plain):]
-    return text
-
-
-def open_storage(url: str | os.PathLike[str] | None = None, *,
-                 read_only: bool = False, busy_timeout: float | None = None) -> Storage:
-    """Open (creating or upgrading if needed, unless ``read_only``) the tuning database.
-
-    See :func:`resolve_url` for ``url``. SQLite runs in WAL mode with a 30 s busy
-    timeout (``busy_timeout`` seconds instead, e.g. short for the dispatcher, which must
-    never stall a training step); a read-only database that does not exist raises a
-    StorageError.
-    """
-    from flashtune.db.rdb import RDBStorage
-
-    return RDBStorage(resolve_url(url), read_only=read_only, busy_timeout=busy_timeout)
 
 
 def provenance() -> tuple[str, str, str]:

@@ -56,7 +56,7 @@ class MissRecorder:
             if not batch:
                 return
             try:
-                from flashtune.db.storage import open_storage
+                from flashtune.db import open_storage
 
                 sw = software_info()
                 with open_storage(database_url()) as storage:

@@ -65,7 +65,7 @@ def run_tuner(problem: Problem, direction: str, table: Table) -> Result | None:
 
 def as_result(out: Any, device: DeviceInfo) -> Result | None:
     """The tuner's answer (a TuneResult: config, key and timings) as a database Result."""
-    from flashtune.db.storage import Result, provenance
+    from flashtune.db import Result, provenance
 
     if isinstance(out, Result) or out is None:
         return out

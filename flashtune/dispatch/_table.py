@@ -123,13 +123,13 @@ def index(entries: dict[ProblemKey, Entry], results: Iterable[tuple[Result, str]
 def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemKey, Result],
                                                                   str | None]:
     """(database, its fresh results for ``device``, the error that made it unusable)."""
-    from flashtune.db.storage import resolve_url
+    from flashtune.db import resolve_url
 
     url = database_url()
     where = resolve_url(url)
     counters["db_reads"] += 1
     try:
-        from flashtune.db.storage import open_storage
+        from flashtune.db import open_storage
         from flashtune.exceptions import DatabaseMissingError
 
         try:

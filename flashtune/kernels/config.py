@@ -16,9 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import triton
-
 from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels._triton_info import triton_version
 from flashtune.problem import Problem
 
 POW2_BLOCKS = (16, 32, 64, 128, 256)
@@ -28,8 +27,7 @@ STAGES = (1, 2, 3, 4, 5, 6)
 MAXNREG = (0, 128, 168, 200, 232, 255)
 
 # (major, minor) of the Triton that builds the kernels: some compiler bugs are version-bound.
-TRITON_VERSION: tuple[int, int] = tuple(  # type: ignore[assignment]
-    int(x) for x in triton.__version__.split(".")[:2])
+TRITON_VERSION: tuple[int, int] = triton_version()
 
 # Shared memory per block the estimate must fit. Hopper allows 227 KiB per block; this is
 # the default when the device cannot be asked (CPU interpreter).

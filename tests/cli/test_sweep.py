@@ -158,7 +158,7 @@ def test_sweep_resumes_a_task_left_running_by_a_dead_worker(tmp_path: Path) -> N
     # A worker process claims the task and dies without settling it.
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from flashtune.autotune.sweep import Board\n"
-            "from flashtune.db.storage import resolve_url\n"
+            "from flashtune.db import resolve_url\n"
             "b = Board(resolve_url(sys.argv[1]))\n"
             "sid = b.sweep_ids()[0]\n"
             "assert b.claim(sid, 'doomed', lease_s=3600) is not None\n")

@@ -83,7 +83,7 @@ def test_read_only_database_without_our_tables(tmp_path: Path) -> None:
 @pytest.mark.parametrize("db_url", FILE_BACKENDS, indirect=True)
 def test_optuna_studies_share_the_database(db_url: str) -> None:
     optuna = pytest.importorskip("optuna")
-    from flashtune.db.storage import resolve_url
+    from flashtune.db import resolve_url
 
     url = resolve_url(db_url)
     with open_storage(url) as s:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flashtune.db.storage import resolve_url
+from flashtune.db import resolve_url
 
 from .conftest import FILE_BACKENDS
 

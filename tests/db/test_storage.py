@@ -9,8 +9,7 @@ import sqlite3
 
 import pytest
 
-from flashtune.db import Storage, open_storage, rdb
-from flashtune.db.storage import resolve_url
+from flashtune.db import Storage, open_storage, rdb, resolve_url
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
 from flashtune.kernels.config import FwdConfig, config_to_dict
 from tests.db import _data
