@@ -21,10 +21,6 @@ class StorageError(FlashtuneError):
     """The tuning database could not be opened, read or written."""
 
 
-class NotFoundError(StorageError, KeyError):
-    """A row that was asked for does not exist."""
-
-
 class DatabaseMissingError(StorageError, FileNotFoundError):
     """A database opened read-only (or a shipped file) does not exist."""
 
@@ -43,3 +39,7 @@ class DispatchMissError(FlashtuneError, LookupError):
 
 class TuningError(FlashtuneError):
     """The tuner could not produce a result (e.g. every candidate failed)."""
+
+
+class SweepError(FlashtuneError):
+    """A sweep could not be set up or coordinated (the message says why)."""

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashtune._env import interpreting, setenv
+from flashtune._host import pid_alive
 from flashtune.autotune._compile import CompilePool
 from flashtune.autotune._isolation import Worker
 from flashtune.autotune.space import Config, SearchSpace
@@ -246,16 +247,6 @@ def _make_sampler(kind: str, space: SearchSpace, seed: int, n_startup: int,
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _recover(study: Any) -> int:
     """Fail trials left RUNNING by a tuner on this host that no longer exists (kill -9)."""
     from optuna.trial import TrialState
@@ -263,7 +254,7 @@ def _recover(study: Any) -> int:
     host, n = socket.gethostname(), 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get("pid")
-        if t.user_attrs.get("host") == host and pid and not _pid_alive(int(pid)):
+        if t.user_attrs.get("host") == host and pid and not pid_alive(int(pid)):
             study._storage.set_trial_user_attr(t._trial_id, "error",
                                                "abandoned: the tuner process died")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)

@@ -48,7 +48,7 @@ class _Watch(threading.Thread):
         self.live: Any = None
 
     def run(self) -> None:
-        from flashtune.autotune.sweep import Board
+        from flashtune.db.claims import Board
 
         with Board(self.url) as board:
             if self.mode == "live":
@@ -80,7 +80,7 @@ class _Watch(threading.Thread):
         self.join(timeout=10)
 
     def _show(self, tasks: list[Any]) -> None:
-        from flashtune.autotune.sweep import counts
+        from flashtune.db.claims import counts
 
         n = counts(tasks)
         total, settled = len(tasks), n["done"] + n["failed"]
@@ -237,8 +237,9 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
     interpreter = kernel_mode("sweep", interpret)
     gpu_ids = _parse_gpus(gpus)
     title, problems = shape_set(preset, shapes, from_misses, db_url)
-    from flashtune.autotune.sweep import Board, Options, prepare_optuna, run_worker, tasks_for
+    from flashtune.autotune.sweep import Options, prepare_optuna, run_worker
     from flashtune.db import open_storage, resolve_url
+    from flashtune.db.claims import Board, tasks_for
     from flashtune.db.fingerprint import device_info, software_info
 
     dirs = ["fwd", "bwd"] if direction == "both" else [direction]
@@ -302,7 +303,7 @@ def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) ->
 
 def _finish_sweep(sid: str, tasks: list[Any], device: Any, interpreter: bool, as_json: bool,
                   interrupted: bool, failures: list[str]) -> None:
-    from flashtune.autotune.sweep import counts
+    from flashtune.db.claims import counts
 
     n = counts(tasks)
     if as_json:

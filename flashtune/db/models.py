@@ -3,7 +3,8 @@
 Every table is prefixed ``ft_``: Optuna keeps its study tables (and its own Alembic
 version table) in the same database. Unique constraints mirror the keys: a device
 and a software environment by fingerprint, a problem by every :class:`ProblemKey`
-field, a result by (device, software, problem), a miss by (device, problem).
+field, a result by (device, software, problem), a miss by (device, problem), a sweep's
+task by (sweep, task digest).
 
 Schema changes are Alembic migrations in ``migrations/versions``; these models must
 always equal the newest migration (a test compares them).
@@ -18,7 +19,9 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Double,
+    Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -31,8 +34,11 @@ from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 from flashtune.problem import ProblemKey
 
 VERSION_TABLE = "flashtune_alembic_version"
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 """The newest migration: a database at it opens without loading Alembic (a test checks)."""
+READABLE_REVISIONS = frozenset({"0001", SCHEMA_REVISION})
+"""Revisions whose result tables equal the newest: a read-only open (the dispatcher's)
+serves them as they are. 0002 only added the sweep tables."""
 _NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -141,3 +147,44 @@ class MissRow(Base):
 
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
     problem: Mapped[ProblemRow] = relationship(lazy="joined", innerjoin=True)
+
+
+class SweepRow(Base):
+    """One sweep (:mod:`flashtune.db.claims`): its id is a digest of what it tunes."""
+
+    __tablename__ = "ft_sweeps"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    device_json: Mapped[str] = mapped_column(Text)
+    software_fingerprint: Mapped[str] = mapped_column(String(32))
+    trials: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    total: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)  # seconds since the epoch
+
+
+class ClaimRow(Base):
+    """One task of a sweep: a (problem key, direction) and who holds it until when."""
+
+    __tablename__ = "ft_sweep_claims"
+    __table_args__ = (UniqueConstraint("sweep_id", "task", name="uq_ft_sweep_claims_task"),
+                      Index("ix_ft_sweep_claims_state", "sweep_id", "state", "seq"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sweep_id: Mapped[str] = mapped_column(String(32))
+    task: Mapped[str] = mapped_column(String(32))  # digest of the problem key
+    seq: Mapped[int] = mapped_column(Integer)  # order in the shape set
+    direction: Mapped[str] = mapped_column(String(3))
+    key_json: Mapped[str] = mapped_column(Text)
+    problem_json: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(8))
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer)
+    trials: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    best_tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)  # a failure, "cached", ...
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -37,6 +37,7 @@ from sqlalchemy.pool import StaticPool
 
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
+    READABLE_REVISIONS,
     SCHEMA_REVISION,
     VERSION_TABLE,
     Base,
@@ -61,7 +62,8 @@ BUSY_TIMEOUT_S = 30.0
 _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 # Any fixed 64-bit number: the PostgreSQL advisory lock that serializes migrations.
 _PG_MIGRATION_LOCK = 0x666C617368_74756E  # "flashtun"
-_WRITE = "flashtune_write"
+WRITE_OPTION = "flashtune_write"
+"""Execution option of a connection whose transactions write (BEGIN IMMEDIATE on SQLite)."""
 
 
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -145,7 +147,7 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION)
                              else "BEGIN")
 
     return engine
@@ -217,7 +219,7 @@ class RDBStorage(Storage):
         _ENGINES.add(self.engine)
         self._ids_cache: dict[tuple[Any, ...], int] = {}
         self._read = sessionmaker(bind=self.engine, expire_on_commit=False)
-        self._write = sessionmaker(bind=self.engine.execution_options(**{_WRITE: True}),
+        self._write = sessionmaker(bind=self.engine.execution_options(**{WRITE_OPTION: True}),
                                    expire_on_commit=False)
         try:
             self._migrate()
@@ -268,7 +270,7 @@ class RDBStorage(Storage):
 
     def _migrate(self) -> None:
         current = self._revision()
-        if current == SCHEMA_REVISION:
+        if current == SCHEMA_REVISION or (self.read_only and current in READABLE_REVISIONS):
             return
         from alembic import command
 
@@ -283,7 +285,7 @@ class RDBStorage(Storage):
             raise SchemaError(f"{self._where}: {what}; open it once for writing to upgrade")
         cfg = _alembic_config()
         with self._errors(), self.engine.connect() as conn:
-            conn = conn.execution_options(**{_WRITE: True})
+            conn = conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 if conn.dialect.name == "postgresql":
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flashtune.autotune.sweep import Board, sweep_id, tasks_for
+from flashtune.db.claims import Board, sweep_id, tasks_for
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 from flashtune.problem import Problem
 
@@ -103,7 +103,7 @@ def test_recover_local_frees_tasks_of_dead_processes(db_url: str) -> None:
     with Board(db_url) as b:
         sid = b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), None)
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-            from flashtune.autotune.sweep import Board
+            from flashtune.db.claims import Board
             with Board({db_url!r}) as b:
                 assert b.claim({sid!r}, "gone", lease_s=3600) is not None
             """)], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -115,7 +115,7 @@ def test_recover_local_frees_tasks_of_dead_processes(db_url: str) -> None:
 
 _CLAIMER = """
 import json, sys, time
-from flashtune.autotune.sweep import Board
+from flashtune.db.claims import Board
 url, sid, me = sys.argv[1:4]
 got = []
 with Board(url) as b:

@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from flashtune.autotune.presets import MODELS, PRESETS, load_shapes, preset
-from flashtune.autotune.sweep import Board
 from flashtune.cli import main
+from flashtune.db.claims import Board
 from flashtune.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,13 +157,13 @@ def test_sweep_resumes_a_task_left_running_by_a_dead_worker(tmp_path: Path) -> N
     args = ["--shapes", shapes, "--direction", "fwd", "--trials", "2", "--db", db]
     # A worker process claims the task and dies without settling it.
     code = ("import sys\nfrom click.testing import CliRunner\n"
-            "from flashtune.autotune.sweep import Board\n"
+            "from flashtune.db.claims import Board\n"
             "from flashtune.db import resolve_url\n"
             "b = Board(resolve_url(sys.argv[1]))\n"
             "sid = b.sweep_ids()[0]\n"
             "assert b.claim(sid, 'doomed', lease_s=3600) is not None\n")
     with Board(f"sqlite:///{db}") as b:  # register the sweep without running it
-        from flashtune.autotune.sweep import tasks_for
+        from flashtune.db.claims import tasks_for
         from flashtune.db.fingerprint import device_info, software_info
 
         b.create(device_info(), software_info(),

@@ -111,3 +111,88 @@ def test_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=Path(__file__).parents[2])
     assert p.returncode == 0, p.stderr
+
+
+def _sweep_tables_of_flashtune_0_1_0() -> Any:
+    """The sweep tables as flashtune 0.1.0 made them: their own MetaData and create_all."""
+    from sqlalchemy import (
+        Column,
+        Float,
+        Index,
+        Integer,
+        MetaData,
+        String,
+        Table,
+        Text,
+        UniqueConstraint,
+    )
+
+    md = MetaData()
+    Table("ft_sweeps", md, Column("id", String(32), primary_key=True),
+          Column("device_json", Text, nullable=False),
+          Column("software_fingerprint", String(32), nullable=False),
+          Column("trials", Integer, nullable=True), Column("total", Integer, nullable=False),
+          Column("created_at", Float, nullable=False))
+    Table("ft_sweep_claims", md, Column("id", Integer, primary_key=True, autoincrement=True),
+          *(Column(c, String(32), nullable=False) for c in ("sweep_id", "task")),
+          Column("seq", Integer, nullable=False), Column("direction", String(3), nullable=False),
+          *(Column(c, Text, nullable=False) for c in ("key_json", "problem_json")),
+          Column("state", String(8), nullable=False),
+          *(Column(c, String(200), nullable=True) for c in ("worker", "host")),
+          Column("pid", Integer, nullable=True), Column("lease_expires", Float, nullable=True),
+          Column("attempts", Integer, nullable=False), Column("trials", Integer, nullable=True),
+          *(Column(c, Float, nullable=True) for c in ("best_tflops", "median_ms")),
+          Column("note", Text, nullable=True),
+          *(Column(c, Float, nullable=True) for c in ("started_at", "finished_at")),
+          UniqueConstraint("sweep_id", "task", name="uq_ft_sweep_claims_task"),
+          Index("ix_ft_sweep_claims_state", "sweep_id", "state", "seq"))
+    return md
+
+
+def _schema_diff(s: Any) -> list[Any]:
+    with s.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return list(compare_metadata(ctx, Base.metadata))
+
+
+def test_first_schema_file_gets_the_sweep_tables(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    shutil.copy(ASSETS / "tuning_v0001.db", db)
+    with sqlite3.connect(db) as conn:
+        assert not conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'ft_sweep%'"
+                                ).fetchall()
+    with open_storage(str(db)) as s:
+        assert revision(s) == "0002"
+        assert {"ft_sweeps", "ft_sweep_claims"} <= set(inspect(s.engine).get_table_names())
+        assert _schema_diff(s) == []
+
+
+def test_sweep_tables_made_by_create_all_are_kept(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine, text
+
+    db = tmp_path / "swept.db"
+    shutil.copy(ASSETS / "tuning_v0001.db", db)
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.begin() as conn:  # what `autotune sweep` of flashtune 0.1.0 left behind
+        _sweep_tables_of_flashtune_0_1_0().create_all(conn)
+        conn.execute(text("INSERT INTO ft_sweeps VALUES ('s1', '{}', 'sw', NULL, 1, 1.5)"))
+        conn.execute(text(
+            "INSERT INTO ft_sweep_claims (sweep_id, task, seq, direction, key_json, "
+            "problem_json, state, attempts) VALUES ('s1', 't1', 0, 'fwd', '{}', '{}', "
+            "'done', 1)"))
+    engine.dispose()
+    with open_storage(str(db)) as s:
+        assert revision(s) == "0002"
+        assert _schema_diff(s) == []
+        with s.engine.connect() as conn:
+            assert conn.execute(text("SELECT sweep_id, task, state FROM ft_sweep_claims")
+                                ).all() == [("s1", "t1", "done")]
+        assert export_json(s) == (ASSETS / "tuning_v0001.json").read_bytes()
+
+
+def test_a_first_schema_file_opens_read_only_without_upgrading(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    shutil.copy(ASSETS / "tuning_v0001.db", db)
+    with open_storage(str(db), read_only=True) as s:  # the dispatcher's open
+        assert revision(s) == "0001"
+        assert export_json(s) == (ASSETS / "tuning_v0001.json").read_bytes()
