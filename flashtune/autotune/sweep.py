@@ -114,7 +114,7 @@ def tune_task(task: Task, opts: Options, storage: Any, session: Any,
 def prepare_optuna(url: str) -> None:
     """Create Optuna's tables in ``url`` before the workers start (``optuna_storage``
     retries the creation race, so workers that start together would also be safe)."""
-    from flashtune.autotune.tuner import optuna_storage
+    from flashtune.autotune.study import optuna_storage
     from flashtune.db import resolve_url
 
     optuna_storage(resolve_url(url))

@@ -32,7 +32,7 @@ def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
     import optuna
     from optuna.trial import TrialState
 
-    from flashtune.autotune.tuner import optuna_storage
+    from flashtune.autotune.study import optuna_storage
     from flashtune.problem import Problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -1,0 +1,103 @@
+"""The project's own candidates, beside the sampler's picks: recombination and polishing.
+
+Pure functions of what the search has seen (:class:`Seen`); the search decides when to
+ask for them (see :mod:`flashtune.autotune.tuner`).
+
+- :func:`compose_point`: the best measured setting of each backward launch's own
+  fields, put together, when predicted faster than the incumbent (the launches run one
+  after another, so their times add up; see :meth:`SearchSpace.compose`).
+- :func:`polish_point`: the incumbent's nearest untried feasible neighbour, one field
+  moved to an adjacent choice, else two. For the backward, each launch's fields move at
+  once, around the best measured setting of that launch, since each launch is timed on
+  its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flashtune.autotune.space import SearchSpace
+from flashtune.problem import Problem
+
+Params = dict[str, Any]
+PartTimes = tuple[Params, dict[str, float]]  # (params, {launch: ms})
+
+
+def sig(params: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A hashable signature of a point."""
+    return tuple(sorted(params.items()))
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the search knows when it picks a candidate."""
+
+    space: SearchSpace
+    problem: Problem
+    done: Mapping[tuple[Any, ...], Any]  # signature -> a finished (complete or failed) trial
+    part_times: Mapping[tuple[Any, ...], PartTimes]  # backward: each launch's time
+    best_params: Params  # the incumbent ({} before the first passing candidate)
+    queued: list[Params]  # asked for, not measured yet
+
+
+def usable(seen: Seen, cand: Params) -> bool:
+    """Not measured, not queued, and feasible."""
+    return (sig(cand) not in seen.done and cand not in seen.queued
+            and seen.space.feasible(seen.space.config(cand), seen.problem)[0])
+
+
+def compose_point(seen: Seen) -> Params | None:
+    """The recombined point predicted fastest, if it beats the incumbent by 0.2%."""
+    incumbent = seen.part_times.get(sig(seen.best_params))
+    if incumbent is None:
+        return None
+    limit = sum(incumbent[1].values()) * (1 - 2e-3)
+    for predicted, cand in seen.space.compose(seen.part_times.values()):
+        if predicted >= limit:
+            break
+        if usable(seen, cand):
+            return cand
+    return None
+
+
+def part_polish_point(seen: Seen, radius: int, skipped: set[tuple[Any, ...]]) -> Params | None:
+    """Every launch's best setting moved ``radius`` steps at once (backward only).
+    ``skipped`` collects launch settings that do not fit even alone (kept across calls)."""
+    space = seen.space
+    ranked = space.compose(seen.part_times.values())
+    base = ranked[0][1] if ranked else seen.best_params
+    tried = {space.part_setting(part, prm) for prm in
+             [r[0] for r in seen.part_times.values()] + seen.queued for part in space.parts}
+    for _ in range(50):
+        cand = space.part_moves(base, tried | skipped, radius)
+        if cand is None:
+            return None
+        if usable(seen, cand):
+            return cand
+        # The moves do not fit together: try each launch's move alone, and drop a
+        # move that does not fit even alone.
+        for part, fields in space.parts.items():
+            if any(cand[f] != base[f] for f in fields):
+                alone = {**base, **{f: cand[f] for f in fields}}
+                if usable(seen, alone):
+                    return alone
+                skipped.add(space.part_setting(part, alone))
+    return None
+
+
+def polish_point(seen: Seen, skipped: set[tuple[Any, ...]]) -> Params | None:
+    """The incumbent's nearest untried feasible point: one step away, else two.
+    For the backward, every launch moves at once (see :func:`part_polish_point`); plain
+    moves are left with the shared fields, since a new mix of launch settings already
+    timed is the recombination's job."""
+    for radius in (1, 2):
+        if seen.space.parts:
+            cand = part_polish_point(seen, radius, skipped)
+            if cand is not None:
+                return cand
+        for cand in seen.space.neighbours(seen.best_params, radius, among=seen.space.shared):
+            if usable(seen, cand):
+                return cand
+    return None

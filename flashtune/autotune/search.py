@@ -1,0 +1,385 @@
+"""One search: ask the study for a candidate, compile it ahead, measure it, tell the study.
+
+:class:`Search` runs one (problem, direction) over an open study and keeps its tallies
+on itself: what was measured, the incumbent, the compile time, why it stopped. Besides
+the sampler's picks, recombined and polishing candidates (:mod:`.candidates`) jump the
+compile queue; the module doc of :mod:`flashtune.autotune.tuner` says when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flashtune.autotune import candidates
+from flashtune.autotune.candidates import Params, PartTimes, Seen, sig
+from flashtune.autotune.space import SearchSpace
+from flashtune.autotune.study import stored_trial
+from flashtune.kernels.config import config_to_dict
+from flashtune.problem import Problem
+
+if TYPE_CHECKING:
+    from flashtune.autotune.tuner import TuneSession
+
+ProgressFn = Callable[[dict[str, Any]], None]
+# A candidate asked for and compiling: (trial, params, compile future, source).
+Pending = tuple[Any, Params, "Future[tuple[float, str]] | None", str]
+_MAX_INFEASIBLE_STREAK = 500  # the sampler is stuck proposing configs that cannot run
+_MAX_DUPLICATE_STREAK = 50  # the sampler is stuck proposing configs already measured
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The budget and protocol of one search (``tune()``'s arguments, resolved)."""
+
+    trials: int | None
+    time_budget: float | None
+    patience: int | None
+    trial_timeout: float
+    seed: int
+    space: SearchSpace
+    sampler: str
+    top_k: int
+    retime_rounds: int
+    timing: dict[str, Any]
+    store: bool
+    warm_start: bool
+
+
+class Search:
+    """ask -> compile -> measure -> tell, until the budget, the patience or the space ends."""
+
+    def __init__(self, problem: Problem, direction: str, study: Any, settings: Settings,
+                 session: TuneSession, *, lookahead: int, n_startup: int, t_start: float,
+                 progress: ProgressFn | None = None) -> None:
+        self.problem, self.direction, self.study = problem, direction, study
+        self.s, self.session, self.progress = settings, session, progress
+        self.lookahead, self.n_startup = lookahead, n_startup
+        self.t_start = t_start  # the time budget counts the study's setup too
+        self.prior_seconds = float(study.user_attrs.get("search_seconds", 0.0))
+        self.problem_d = problem.as_dict()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.pending: deque[Pending] = deque()
+        self.skipped_parts: set[tuple[Any, ...]] = set()
+        self.since_best = self.infeasible = self.dup_streak = self.infeasible_streak = 0
+        self.stop_reason = ""
+        self.compile_s = 0.0
+        self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
+        self._load_tallies()
+        # From here on, polishing candidates go before the sampler's picks.
+        if settings.sampler == "grid":
+            self.polish_from: int | None = None
+        elif settings.trials is None:
+            self.polish_from = 2 * n_startup
+        else:
+            self.polish_from = max(1, math.ceil(0.4 * settings.trials))
+
+    def _load_tallies(self) -> None:
+        """Tallies over the whole study: a resumed study continues from its stored trials."""
+        from optuna.trial import TrialState
+
+        self.done: dict[tuple[Any, ...], Any] = {}
+        self.part_times: dict[tuple[Any, ...], PartTimes] = {}
+        self.measured = 0
+        for t in self.study.get_trials(deepcopy=False):
+            if t.user_attrs.get("measured"):
+                self.measured += 1
+            if (t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.params
+                    and not t.user_attrs.get("cancelled")):
+                self.done.setdefault(sig(t.params), t)
+            if t.state == TrialState.COMPLETE and t.user_attrs.get("parts_ms"):
+                self.part_times[sig(t.params)] = (dict(t.params), dict(t.user_attrs["parts_ms"]))
+        completed = [t for t in self.study.get_trials(deepcopy=False,
+                                                      states=(TrialState.COMPLETE,))
+                     if t.value is not None]
+        best_t = min(completed, key=lambda t: float(t.value or 0.0), default=None)
+        self.best: float = float(best_t.value) if best_t is not None \
+            and best_t.value is not None else math.inf
+        self.best_params: Params = dict(best_t.params) if best_t is not None else {}
+
+    # -- reporting and stopping ------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.study.study_name)
+
+    @property
+    def pool_seconds(self) -> float:
+        pool = self.session.pool
+        return (pool.busy_seconds - self.pool_s0) if pool is not None else 0.0
+
+    def emit(self, **ev: Any) -> None:
+        if self.progress is not None:
+            self.progress({"direction": self.direction, "problem": self.problem,
+                           "study": self.name, "measured": self.measured,
+                           "budget": self.s.trials, "best_ms": self.best,
+                           "elapsed_s": time.perf_counter() - self.t_start, **ev})
+
+    def _out_of_time_or_patience(self) -> str:
+        if self.s.time_budget is not None and \
+                time.perf_counter() - self.t_start >= self.s.time_budget:
+            return "time budget"
+        if self.s.patience is not None and self.since_best >= self.s.patience:
+            return f"no improvement in {self.s.patience} trials"
+        return ""
+
+    def _budget_left(self) -> bool:
+        if self.s.trials is not None and self.measured + len(self.pending) >= self.s.trials:
+            self.stop_reason = self.stop_reason or "trials"
+            return False
+        why = self._out_of_time_or_patience()
+        self.stop_reason = why or self.stop_reason
+        return not why
+
+    def _hard_stop(self) -> bool:
+        """Time budget or patience exhausted: queued candidates are dropped, not run."""
+        why = self._out_of_time_or_patience() if self.measured else ""
+        self.stop_reason = why or self.stop_reason
+        return bool(why)
+
+    def _exhausted(self, why: str) -> bool:
+        self.stop_reason = f"search space exhausted ({why})"
+        return False
+
+    # -- the project's own candidates ------------------------------------------------------
+
+    def _seen(self) -> Seen:
+        return Seen(self.s.space, self.problem, self.done, self.part_times, self.best_params,
+                    [p for _, p, _, _ in self.pending])
+
+    def _priority_point(self) -> tuple[Params, str] | None:
+        """A recombined or polishing candidate, if there is one now."""
+        space = self.s.space
+        if self.s.sampler != "grid" and space.parts and self.measured >= self.n_startup:
+            point = candidates.compose_point(self._seen())
+            if point is not None:
+                return point, "compose"
+        if self.polish_from is None or not self.best_params \
+                or self.measured < self.polish_from:
+            return None
+        point = candidates.polish_point(self._seen(), self.skipped_parts)
+        return (point, "polish") if point is not None else None
+
+    def _drop_newest_sampled(self) -> bool:
+        """Cancel the newest queued pick of the sampler (its compile may be wasted)."""
+        from optuna.trial import TrialState
+
+        for i in range(len(self.pending) - 1, -1, -1):
+            trial, _, fut, source = self.pending[i]
+            if source == "sampler":
+                del self.pending[i]
+                if fut is not None:
+                    fut.cancel()
+                trial.set_user_attr("cancelled", True)
+                self.study.tell(trial, state=TrialState.FAIL)
+                return True
+        return False
+
+    # -- ask -------------------------------------------------------------------------------
+
+    def ask(self, point: Params | None = None, source: str = "", front: bool = False) -> bool:
+        """Ask for one new candidate (``point``, if given) and queue it (at the front if
+        ``front``); False when the search should stop."""
+        if point is not None:
+            self.study.enqueue_trial(point, user_attrs={"seed_source": source})
+        trial = self.study.ask()
+        trial.set_user_attr("host", self.host)
+        trial.set_user_attr("pid", self.pid)
+        cfg = self.s.space.suggest(trial)
+        params = config_to_dict(cfg)
+        ok, reason = self.s.space.feasible(cfg, self.problem)
+        if not ok:
+            return self._tell_infeasible(trial, params, reason)
+        self.infeasible_streak = 0
+        prev = self.done.get(sig(params))
+        if prev is None:
+            prev = next((t for t, p, _, _ in self.pending if p == params), None)
+            if prev is not None:  # already queued: do not measure it twice
+                return self._tell_duplicate(trial, prev, queued=True)
+        if prev is not None:
+            return self._tell_duplicate(trial, prev, queued=False)
+        self.dup_streak = 0
+        self._queue(trial, params, front)
+        return True
+
+    def _tell_infeasible(self, trial: Any, params: Params, reason: str) -> bool:
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("pruned_reason", reason)
+        trial.set_user_attr("stage", "feasibility")
+        self.study.tell(trial, state=TrialState.PRUNED)
+        self.infeasible += 1
+        self.infeasible_streak += 1
+        self.emit(event="infeasible", number=trial.number, config=params, detail=reason)
+        if self.infeasible_streak >= _MAX_INFEASIBLE_STREAK:
+            self.stop_reason = "the sampler keeps proposing infeasible configs"
+            return False
+        return True
+
+    def _tell_duplicate(self, trial: Any, prev: Any, *, queued: bool) -> bool:
+        """A measured (or queued) point again: it gets the stored outcome, not a new run."""
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("duplicate_of", prev.number)
+        if not queued and prev.state == TrialState.COMPLETE:
+            self.study.tell(trial, prev.value)
+        else:
+            self.study.tell(trial, state=TrialState.FAIL)
+        self.dup_streak += 1
+        return self.dup_streak < _MAX_DUPLICATE_STREAK or self._exhausted("duplicates")
+
+    def _queue(self, trial: Any, params: Params, front: bool) -> None:
+        fut = None
+        pool = self.session.pool
+        if pool is not None:
+            try:
+                fut = pool.submit(self.problem_d, self.direction, params)
+            except Exception:  # a broken pool: rebuild it, the worker compiles meanwhile
+                self.session.reset_pool()
+        entry = (trial, params, fut, str(trial.user_attrs.get("seed_source", "sampler")))
+        if front:
+            self.pending.appendleft(entry)
+        else:
+            self.pending.append(entry)
+
+    # -- measure and tell ------------------------------------------------------------------
+
+    def _request(self, op: str, timeout: float, **body: Any) -> dict[str, Any]:
+        return dict(self.session.worker.request(
+            {"op": op, "problem": self.problem_d, "direction": self.direction,
+             "timing": self.s.timing, **body}, timeout=timeout))
+
+    def _confirm(self, trial: Any, params: Params, value: float) -> float:
+        """A candidate about to become the incumbent is timed twice more; the median of
+        the three stands (one lucky timing must not steer the search)."""
+        reply = self._request("retime", self.s.trial_timeout, configs=[params, params],
+                              rounds=1)
+        if reply.get("status") != "ok":
+            return value
+        again = [float(t["median_ms"]) for t in reply["timings"]]
+        trial.set_user_attr("first_ms", value)
+        trial.set_user_attr("confirm_ms", again)
+        return sorted([value, *again])[1]
+
+    def _wait_compile(self, fut: Future[tuple[float, str]] | None, t0: float) -> str:
+        """Wait for the pool's build of a candidate; its error message, if any."""
+        pool_err = ""
+        if fut is not None:
+            try:
+                _, pool_err = fut.result(timeout=self.s.trial_timeout)
+            except Exception:
+                self.session.reset_pool()
+            self.compile_s += time.perf_counter() - t0  # waiting for the pool is compile time
+        return pool_err
+
+    def measure(self, trial: Any, params: Params, fut: Future[tuple[float, str]] | None,
+                source: str) -> None:
+        """Run one queued candidate in the measurement worker and tell the study."""
+        t0 = time.perf_counter()
+        pool_err = self._wait_compile(fut, t0)
+        reply = self._request("measure", self.s.trial_timeout, config=params,
+                              seed=self.s.seed * 1_000_003 + trial.number)
+        status = reply.get("status", "error")
+        detail = str(reply.get("detail", ""))
+        self.measured += 1
+        trial.set_user_attr("measured", True)
+        for k in ("compile_s", "gate_s", "time_s", "max_error", "ratio"):
+            if k in reply and reply[k] is not None and math.isfinite(reply[k]):
+                trial.set_user_attr(k, float(reply[k]))
+        self.compile_s += float(reply.get("compile_s") or 0.0)
+        trial.set_user_attr("wall_s", time.perf_counter() - t0)
+        if status == "ok":
+            self._tell_ok(trial, params, reply)
+        else:
+            detail = self._tell_failed(trial, params, status, detail, pool_err)
+        self.emit(event="trial", number=trial.number, status=status, config=params,
+                  value_ms=reply.get("median_ms"), parts_ms=reply.get("parts_ms") or {},
+                  source=source, detail=detail)
+
+    def _tell_ok(self, trial: Any, params: Params, reply: dict[str, Any]) -> None:
+        value = float(reply["median_ms"])
+        trial.set_user_attr("p20_ms", float(reply["p20_ms"]))
+        trial.set_user_attr("p80_ms", float(reply["p80_ms"]))
+        trial.set_user_attr("interpreter", bool(reply.get("interpreter")))
+        parts = {k: float(v) for k, v in (reply.get("parts_ms") or {}).items()}
+        if parts and all(math.isfinite(v) and v >= 0 for v in parts.values()):
+            trial.set_user_attr("parts_ms", parts)
+            self.part_times[sig(params)] = (dict(params), parts)
+        if value < self.best and math.isfinite(self.best):
+            value = self._confirm(trial, params, value)
+        self.study.tell(trial, value)
+        self.done[sig(params)] = stored_trial(self.study, trial)
+        if value < self.best * (1 - 5e-3):
+            self.since_best = 0
+        else:
+            self.since_best += 1
+        if value < self.best:
+            self.best, self.best_params = value, dict(params)
+
+    def _tell_failed(self, trial: Any, params: Params, status: str, detail: str,
+                     pool_err: str) -> str:
+        """A pruned (did not compile or fit) or failed candidate; returns the detail shown."""
+        from optuna.trial import TrialState
+
+        self.since_best += 1
+        if status == "prune":
+            trial.set_user_attr("pruned_reason", detail or pool_err)
+            trial.set_user_attr("stage", "compile")
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return detail
+        if status == "timeout":
+            detail = f"trial timeout: {detail}"
+        trial.set_user_attr("error", f"{status}: {detail}"[:1000])
+        self.study.tell(trial, state=TrialState.FAIL)
+        self.done[sig(params)] = stored_trial(self.study, trial)
+        return detail
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Search until a stop; queued candidates left over are cancelled."""
+        try:
+            while True:
+                # Recombined and polishing candidates go straight to the front: with a deep
+                # compile lookahead they would otherwise wait behind stale sampler picks
+                # (the newest of which gives up its place when the budget is full).
+                prio = None if self._hard_stop() else self._priority_point()
+                if prio is not None and (self.s.trials is None
+                                         or self.measured + len(self.pending) < self.s.trials
+                                         or self._drop_newest_sampled()):
+                    self.ask(*prio, front=True)
+                while len(self.pending) < self.lookahead and self._budget_left():
+                    if not self.ask():
+                        break
+                if not self.pending or self._hard_stop():
+                    break
+                self.measure(*self.pending[0])
+                self.pending.popleft()
+        finally:
+            self._cancel_pending()
+
+    def _cancel_pending(self) -> None:
+        """Interrupted (or stopped with candidates queued): those trials did not finish."""
+        from optuna.trial import TrialState
+
+        for trial, _, fut, _ in self.pending:
+            if fut is not None:
+                fut.cancel()
+            with contextlib.suppress(Exception):  # it may have been told already
+                trial.set_user_attr("cancelled", True)
+                self.study.tell(trial, state=TrialState.FAIL)
+        self.pending.clear()
+        self.study.set_user_attr("search_seconds", self.seconds)
+
+    @property
+    def seconds(self) -> float:
+        """Search time of the study so far, earlier runs of a resumed study included."""
+        return self.prior_seconds + time.perf_counter() - self.t_start

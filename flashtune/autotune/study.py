@@ -1,0 +1,137 @@
+"""The one adapter over Optuna: storages, samplers, study names, and the calls into
+Optuna's private API, all confined here.
+
+A study is one per (device, software, problem, direction). It lives in the tuning
+database (Optuna's RDB storage, same URL) under a name built from the fingerprints and
+the problem, so a second ``tune()`` of the same problem resumes it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+import weakref
+from typing import Any
+
+from flashtune._host import pid_alive
+from flashtune.autotune.space import SearchSpace
+from flashtune.problem import Problem
+
+SAMPLERS = ("tpe", "random", "grid")
+_MEMORY_STUDIES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# Messages of the errors a process gets when another one is creating Optuna's tables in the
+# same new database at the same moment (SQLite and PostgreSQL wordings).
+_CREATION_RACE = ("already exists", "unique constraint", "duplicate key", "database is locked",
+                  "deadlock detected")
+
+
+def problem_slug(p: Problem) -> str:
+    s = (f"b{p.batch}h{p.heads_q}kv{p.heads_kv}q{p.seqlen_q}k{p.seqlen_k}d{p.head_dim}"
+         f"{p.dtype}")
+    if p.causal:
+        s += "c"
+    if p.has_window:
+        s += f"w{p.window[0]}_{p.window[1]}"
+    if p.softcap > 0:
+        s += f"cap{p.softcap:g}"
+    return s
+
+
+def study_name(device_fp: str, software_fp: str, problem: Problem, direction: str,
+               space: SearchSpace, sampler: str) -> str:
+    """The study's name: one per (device, software, problem, direction), plus the space
+    and sampler when they are not the defaults (their trials must not mix)."""
+    name = f"flashtune/{direction}/{device_fp}/{software_fp}/{problem_slug(problem)}"
+    if not space.is_full:
+        name += f"/space-{space.signature}"
+    if sampler != "tpe":
+        name += f"/{sampler}"
+    return name
+
+
+def optuna_storage(url: str, owner: Any = None) -> Any:
+    """Optuna's storage for our database URL: RDB storage on the same database, or, for an
+    in-memory SQLite database, an in-memory Optuna storage that lives as long as
+    ``owner`` (our storage object: each in-memory database has its own studies)."""
+    import optuna
+
+    if url in ("sqlite://", "sqlite:///:memory:") or url.endswith(":memory:"):
+        if owner is None:
+            return optuna.storages.InMemoryStorage()
+        try:
+            return _MEMORY_STUDIES.setdefault(owner, optuna.storages.InMemoryStorage())
+        except TypeError:  # not weak-referenceable
+            return optuna.storages.InMemoryStorage()
+    return _rdb_storage(url)
+
+
+def _rdb_storage(url: str, attempts: int = 8) -> Any:
+    """Optuna's RDB storage, created race-free. Optuna creates its tables and stamps their
+    version on first use without a lock, so processes that open one new database together
+    collide ("table studies already exists", a duplicate version row). The loser retries
+    and finds the tables made; any other error is raised at once."""
+    import optuna
+    import sqlalchemy.exc
+
+    for i in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError,
+                sqlalchemy.exc.ProgrammingError) as e:
+            if i == attempts - 1 or not any(m in str(e).lower() for m in _CREATION_RACE):
+                raise
+            time.sleep(0.05 * 2 ** i)
+    raise AssertionError("unreachable")
+
+
+def make_sampler(kind: str, seed: int, n_startup: int, parallel: bool) -> Any:
+    import optuna
+
+    if kind == "tpe":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True,
+                                              constant_liar=parallel,
+                                              n_startup_trials=n_startup)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if kind == "grid":
+        # Every point is enqueued by the tuner (Optuna's GridSampler stops the study from
+        # inside tell(), which only works under study.optimize).
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
+
+
+def open_study(name: str, url: str, owner: Any, sampler: Any, attrs: dict[str, Any]) -> Any:
+    """Create or load the study ``name``; a new one gets ``attrs`` as its user attributes."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=optuna_storage(url, owner),
+                                sampler=sampler, direction="minimize", load_if_exists=True)
+    if "problem" not in study.user_attrs:
+        for k, v in attrs.items():
+            study.set_user_attr(k, v)
+    recover(study)
+    return study
+
+
+def recover(study: Any) -> int:
+    """Fail trials left RUNNING by a tuner on this host that no longer exists (kill -9)."""
+    from optuna.trial import TrialState
+
+    host, n = socket.gethostname(), 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid = t.user_attrs.get("pid")
+        if t.user_attrs.get("host") == host and pid and not pid_alive(int(pid)):
+            study._storage.set_trial_user_attr(t._trial_id, "error",
+                                               "abandoned: the tuner process died")
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+    return n
+
+
+def stored_trial(study: Any, trial: Any) -> Any:
+    """The frozen, stored form of a trial that was just told."""
+    return study._storage.get_trial(trial._trial_id)
