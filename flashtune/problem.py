@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Direction = Literal["fwd", "bwd"]
 DTYPES = ("fp16", "bf16")
 DIRECTIONS = ("fwd", "bwd")
 MAX_BUCKET = 1 << 20
+HEAD_DIMS = "a multiple of 8 in [16, 256]"
+
+
+def head_dim_ok(d: int) -> bool:
+    """The head dims the kernels run: any multiple of 8 from 16 to 256."""
+    return d % 8 == 0 and 16 <= d <= 256
+
+
+def default_scale(head_dim: int) -> float:
+    """The softmax scale when the caller gives none: 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
 
 
 def bucket(n: int) -> int:
@@ -101,9 +111,8 @@ class Problem:
                 f"heads_q={self.heads_q} must be a multiple of heads_kv={self.heads_kv}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.head_dim % 8 or not 16 <= self.head_dim <= 256:
-            raise ValueError(
-                f"head_dim must be a multiple of 8 in [16, 256], got {self.head_dim}")
+        if not head_dim_ok(self.head_dim):
+            raise ValueError(f"head_dim must be {HEAD_DIMS}, got {self.head_dim}")
         w = tuple(int(x) for x in self.window)
         if len(w) != 2 or any(x < -1 for x in w):
             raise ValueError(f"window must be (left, right) with each >= -1, got {self.window!r}")
@@ -127,6 +136,20 @@ class Problem:
             causal=bool(self.causal), window=self.has_window, softcap=self.softcap > 0,
             gqa_ratio=self.gqa_ratio, bh_bucket=bucket(self.batch * self.heads_q),
             sq_bucket=bucket(self.seqlen_q), sk_bucket=bucket(self.seqlen_k))
+
+    def dims(self) -> str:
+        """``BxHq[/Hkv]xSq[xSk]xD``: the shape, with Hkv and Sk only where they differ."""
+        kv = f"/{self.heads_kv}" if self.heads_kv != self.heads_q else ""
+        sk = f"x{self.seqlen_k}" if self.seqlen_k != self.seqlen_q else ""
+        return f"{self.batch}x{self.heads_q}{kv}x{self.seqlen_q}{sk}x{self.head_dim}"
+
+    def label(self) -> str:
+        """A one-line label for people: shape, dtype and mask, e.g. ``2x8/2x1000x128 bf16
+        causal win[128, 0]``."""
+        extra = (" causal" if self.causal else "") \
+            + (f" win{list(self.window)}" if self.has_window else "") \
+            + (f" cap{self.softcap:g}" if self.softcap else "")
+        return f"{self.dims()} {self.dtype}{extra}"
 
     def flops(self, direction: str = "fwd") -> float:
         """House protocol: fwd = 4*B*Hq*Sq*Sk*D, halved for causal when Sq == Sk; bwd = 2.5x."""

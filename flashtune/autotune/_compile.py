@@ -54,9 +54,9 @@ def precompile(problem: dict[str, Any], direction: str,
 
         from flashtune._env import torch_dtype
         from flashtune.kernels.attn_bwd import attn_bwd
-        from flashtune.kernels.attn_fwd import attn_fwd, default_scale
+        from flashtune.kernels.attn_fwd import attn_fwd
         from flashtune.kernels.config import config_from_dict
-        from flashtune.problem import Problem
+        from flashtune.problem import Problem, default_scale
 
         _compile_only()
         p = replace(Problem.from_dict(problem), batch=1)
@@ -76,10 +76,6 @@ def precompile(problem: dict[str, Any], direction: str,
     except Exception as e:  # the timing worker sees the same error and classifies it
         return time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:300]}"
     return time.perf_counter() - t0, ""
-
-
-def _noop() -> int:
-    return 0
 
 
 class CompilePool:

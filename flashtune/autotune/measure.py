@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
-from flashtune.problem import Problem
+from flashtune.problem import Problem, default_scale
 from flashtune.timing import Timing, make_inputs, time_fn, time_parts
 
 # The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
@@ -93,7 +93,6 @@ class Bench:
     """Timing inputs for one problem, made once, and launchers per config."""
 
     def __init__(self, problem: Problem, device: str, seed: int = 0):
-        from flashtune.kernels.attn_fwd import attn_fwd, default_scale
 
         self.problem = p = problem
         self.device = device
@@ -104,7 +103,6 @@ class Bench:
                                        window=p.window, softcap=p.softcap)
         self._fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
-        self._attn_fwd = attn_fwd
 
     def _bwd_args(self) -> tuple[torch.Tensor, ...]:
         import flashtune.kernels.attn_fwd as fwd_mod

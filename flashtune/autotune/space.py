@@ -24,7 +24,6 @@ from typing import Any
 
 from flashtune.kernels.config import (
     CONFIG_TYPES,
-    DEFAULT_SMEM_BYTES,
     BwdConfig,
     FwdConfig,
     config_fields,
@@ -219,10 +218,9 @@ class SearchSpace:
                     break
         return point if moved else None
 
-    def feasible(self, cfg: Config, problem: Problem,
-                 smem_bytes: int = DEFAULT_SMEM_BYTES) -> tuple[bool, str]:
+    def feasible(self, cfg: Config, problem: Problem) -> tuple[bool, str]:
         """(True, "") or (False, the kernels' reason for rejecting ``cfg``)."""
-        return is_feasible(cfg, problem, smem_bytes)
+        return is_feasible(cfg, problem)
 
     def grid(self) -> Iterator[dict[str, Any]]:
         """Every point of the space, in a fixed order."""
@@ -230,6 +228,5 @@ class SearchSpace:
         for vals in itertools.product(*(v for _, v in self.choices)):
             yield dict(zip(names, vals, strict=True))
 
-    def feasible_grid(self, problem: Problem,
-                      smem_bytes: int = DEFAULT_SMEM_BYTES) -> list[dict[str, Any]]:
-        return [p for p in self.grid() if is_feasible(self.config(p), problem, smem_bytes)[0]]
+    def feasible_grid(self, problem: Problem) -> list[dict[str, Any]]:
+        return [p for p in self.grid() if is_feasible(self.config(p), problem)[0]]

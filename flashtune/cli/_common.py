@@ -129,11 +129,7 @@ def console(stderr: bool = False) -> Any:
 
 
 def shape_label(p: Any) -> str:
-    kv = f"/{p.heads_kv}" if p.heads_kv != p.heads_q else ""
-    sk = f"x{p.seqlen_k}" if p.seqlen_k != p.seqlen_q else ""
-    extra = (" causal" if p.causal else "") + (f" win{list(p.window)}" if p.has_window else "") \
-        + (f" cap{p.softcap:g}" if p.softcap else "")
-    return f"{p.batch}x{p.heads_q}{kv}x{p.seqlen_q}{sk}x{p.head_dim} {p.dtype}{extra}"
+    return str(p.label())
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:

@@ -60,9 +60,7 @@ def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
             ys.append(problem.flops(direction) / (best * 1e-3) / 1e12 if best < math.inf
                       else float("nan"))
         if xs:
-            kv = f"/{problem.heads_kv}" if problem.heads_kv != problem.heads_q else ""
-            label = (f"{direction} {problem.dtype} {problem.batch}x{problem.heads_q}{kv}x"
-                     f"{problem.seqlen_q}x{problem.head_dim}"
+            label = (f"{direction} {problem.dtype} {problem.dims()}"
                      f"{' causal' if problem.causal else ''}")
             out.append({"study": summary.study_name, "label": label, "device": dev,
                         "interpreter": bool(attrs.get("interpreter")), "trials": xs,

@@ -19,7 +19,14 @@ from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.storage import Result
 from flashtune.exceptions import ImportValidationError
 from flashtune.kernels.config import CONFIG_TYPES, config_fields
-from flashtune.problem import DIRECTIONS, DTYPES, MAX_BUCKET, Problem, ProblemKey
+from flashtune.problem import (
+    DIRECTIONS,
+    DTYPES,
+    MAX_BUCKET,
+    Problem,
+    ProblemKey,
+    head_dim_ok,
+)
 
 # Plausibility limits. Anything beyond them is a corrupt or hostile file, not a measurement.
 _MAX_MS = 1e9
@@ -131,7 +138,7 @@ def _key(direction: Any, d: Any) -> ProblemKey:
         raise Bad("problem.dtype", f"{show(d['dtype'])} is not allowed; allowed: "
                    f"{', '.join(DTYPES)}")
     hd = _int(d["head_dim"], "problem.head_dim", 16, 256)
-    if hd % 8:
+    if not head_dim_ok(hd):
         raise Bad("problem.head_dim", f"{hd} is not allowed; allowed: multiples of 8, 16 to 256")
     return ProblemKey(
         direction=direction, dtype=d["dtype"], head_dim=hd,

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashtune.problem import default_scale, head_dim_ok
+
 log = logging.getLogger(__name__)
 
 NAME = "flashtune"
@@ -85,12 +87,12 @@ def _note_fallback(why: str) -> None:
 
 def _kernel_can_run(q: torch.Tensor) -> str | None:
     """Why the kernels cannot take this query (None: they can)."""
-    from flashtune.kernels.attention import _INTERPRET
+    from flashtune.kernels.attention import _DTYPES, _INTERPRET
 
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} (flashtune runs fp16 and bf16)"
     d = q.shape[-1]
-    if d % 8 or not 16 <= d <= 256:
+    if not head_dim_ok(d):
         return f"head_dim {d}"
     if q.device.type != "cuda" and not (q.device.type == "cpu" and _INTERPRET):
         return f"device {q.device}"
@@ -193,7 +195,7 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else default_scale(q.shape[-1]))
     s = softcap * torch.tanh(s / softcap)
     bias = _bias(q, k, mask, causal, window)
     if bias is not None:

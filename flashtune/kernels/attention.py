@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flashtune._env import interpreting
+from flashtune._env import dtype_name, interpreting, torch_dtype
 from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import attn_fwd
 from flashtune.kernels.config import (
@@ -28,24 +28,18 @@ from flashtune.kernels.config import (
     default_bwd,
     default_fwd,
 )
+from flashtune.problem import DTYPES, HEAD_DIMS, Problem, default_scale, head_dim_ok
 
-_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = tuple(torch_dtype(name) for name in DTYPES)  # fp16, bf16
 _INTERPRET = interpreting()
 
 Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
                     "FwdConfig | BwdConfig"]
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
-             softcap: float) -> Any:
-    from flashtune.problem import Problem
-
-    return Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
-
-
 def heuristic_resolver(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
                        window: tuple[int, int], softcap: float) -> FwdConfig | BwdConfig:
-    p = _problem(q, k, causal, window, softcap)
+    p = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
     return default_fwd(p) if direction == "fwd" else default_bwd(p)
 
 
@@ -97,8 +91,8 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
         raise ValueError(f"k.shape[0] (batch) = {bk} must equal q.shape[0] = {b}")
     if dk != d:
         raise ValueError(f"k.shape[3] (head_dim) = {dk} must equal q.shape[3] = {d}")
-    if d % 8 or not 16 <= d <= 256:
-        raise ValueError(f"head_dim = {d} is not supported: use a multiple of 8 in [16, 256]")
+    if not head_dim_ok(d):
+        raise ValueError(f"head_dim = {d} is not supported: use {HEAD_DIMS}")
     if hk < 1 or hq % hk:
         raise ValueError(f"q heads = {hq} must be a multiple of k/v heads = {hk} (GQA/MQA)")
     if b < 1 or sq < 1 or sk < 1:
@@ -107,7 +101,7 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale = default_scale(d)
     else:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
@@ -213,19 +207,34 @@ def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, bw
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, wl, wr, softcap, _fwd_cfg, bwd_cfg = inputs
-    o, lse = output
+# The one autograd wiring, shared by the custom op (torch.compile) and the eager Function
+# below: what the forward saves, and how the backward turns it into dq, dk, dv.
+
+
+def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+          lse: torch.Tensor, causal: bool, scale: float, window: tuple[int, int],
+          softcap: float, bwd_enc: Sequence[int]) -> None:
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (causal, scale, wl, wr, softcap, bwd_cfg)
+    ctx.args = (causal, scale, window, softcap, bwd_enc)
     ctx.mark_non_differentiable(lse)
 
 
-def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+def _grads(ctx: Any, do: torch.Tensor, op: bool) -> tuple[torch.Tensor, ...]:
     q, k, v, o, lse = ctx.saved_tensors
-    causal, scale, wl, wr, softcap, bwd_cfg = ctx.args
-    dq, dk, dv = attn_bwd_op(do, q, k, v, o, lse, causal, scale, wl, wr, softcap, bwd_cfg)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    causal, scale, window, softcap, bwd_enc = ctx.args
+    if op:  # stay inside the op graph under torch.compile
+        return tuple(attn_bwd_op(do, q, k, v, o, lse, causal, scale, window[0], window[1],
+                                 softcap, bwd_enc))
+    return _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
+
+
+def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, causal, scale, wl, wr, softcap, _fwd_cfg, bwd_cfg = inputs
+    _save(ctx, q, k, v, *output, causal, scale, (wl, wr), softcap, bwd_cfg)
+
+
+def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+    return (*_grads(ctx, do, op=True), None, None, None, None, None, None, None)
 
 
 attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -242,17 +251,12 @@ class FlashAttnFunc(torch.autograd.Function):
                 scale: float, window: tuple[int, int], softcap: float, fwd_enc: list[int],
                 bwd_enc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _fwd_impl(q, k, v, causal, scale, window, softcap, fwd_enc)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, scale, window, softcap, bwd_enc)
-        ctx.mark_non_differentiable(lse)
+        _save(ctx, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
         return o, lse
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, window, softcap, bwd_enc = ctx.args
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
-        return dq, dk, dv, None, None, None, None, None, None
+        return (*_grads(ctx, do, op=False), None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- public
@@ -263,11 +267,9 @@ def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape:
                   k_shape: tuple[int, ...], dtype: torch.dtype, causal: bool,
                   window: tuple[int, int], softcap: float) -> None:
     """Feasibility of a forced config, checked once per (config, shape) and then cached."""
-    from flashtune.problem import Problem
-
     b, hq, sq, d = q_shape
     p = Problem(batch=b, heads_q=hq, heads_kv=k_shape[1], seqlen_q=sq, seqlen_k=k_shape[2],
-                head_dim=d, dtype="fp16" if dtype == torch.float16 else "bf16", causal=causal,
+                head_dim=d, dtype=dtype_name(dtype), causal=causal,
                 window=window, softcap=softcap)
     if fwd_cfg is not None:
         check_fwd(fwd_cfg, p)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from flashtune._env import torch_dtype
+from flashtune.problem import default_scale
 
 
 def visibility(sq: int, sk: int, causal: bool, window: tuple[int, int],
@@ -45,7 +46,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if hq != hk:
         k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = softmax_scale if softmax_scale is not None else default_scale(d)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
@@ -199,7 +200,7 @@ def compare(problem: Any, direction: str, config: Any, *, device: torch.device |
     q = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
     k = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
     v = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
-    scale = 1.0 / math.sqrt(p.head_dim)
+    scale = default_scale(p.head_dim)
     kw = dict(causal=p.causal, sm_scale=scale, window=p.window, softcap=p.softcap)
     fcfg = config if direction == "fwd" else default_fwd(p)
     o, lse = attn_fwd(q, k, v, config=fcfg, **kw)

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from flashtune import dispatch  # noqa: E402
 from flashtune.integrations import transformers as ft_hf  # noqa: E402
-from tests.test_dispatch import fresh_db  # noqa: E402
+from tests.dispatch.test_dispatch import fresh_db  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
