@@ -9,7 +9,6 @@ unmasked middle run (see ``_masking``). It writes O and the natural-log LSE.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,7 +19,6 @@ from flashtune.kernels._masking import _inner_range, _visible
 from flashtune.kernels.config import FwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): converts a log2-domain LSE back to natural log
 
 
 @triton.jit
@@ -240,6 +238,3 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[Any,
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, d])
                  for t in (k, v))  # type: ignore[return-value]
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
