@@ -106,7 +106,8 @@ class Board:
 
         self._sa_error = SQLAlchemyError
         self.url = url
-        self.sweeps, self.claims = SweepRow.__table__, ClaimRow.__table__
+        self.sweeps: Any = SweepRow.__table__
+        self.claims: Any = ClaimRow.__table__
         u = make_url(resolve_url(url))
         if u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:"):
             raise SweepError("a sweep needs a database file or server that its workers share, "

@@ -230,7 +230,8 @@ def _grads(ctx: Any, do: torch.Tensor, op: bool) -> tuple[torch.Tensor, ...]:
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, scale, wl, wr, softcap, _fwd_cfg, bwd_cfg = inputs
-    _save(ctx, q, k, v, *output, causal, scale, (wl, wr), softcap, bwd_cfg)
+    o, lse = output
+    _save(ctx, q, k, v, o, lse, causal, scale, (wl, wr), softcap, bwd_cfg)
 
 
 def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
