@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -68,7 +68,12 @@ def gate(problem: Problem, direction: str, config: FwdConfig | BwdConfig, *,
                              generator=gen)
 
 
-def classify(exc: BaseException) -> str:
+Status = Literal["ok", "gate", "prune", "error"]
+"""A measurement's outcome; the worker's process adds "died" and "timeout" (ReplyStatus)."""
+ReplyStatus = Literal["ok", "gate", "prune", "error", "died", "timeout"]
+
+
+def classify(exc: BaseException) -> Literal["prune", "error"]:
     """"prune" for compile errors and out-of-resources, "error" for anything else."""
     names = {c.__name__ for c in type(exc).__mro__}
     if names & {"CompilationError", "OutOfResources", "CompileTimeAssertionFailure"}:
@@ -151,7 +156,7 @@ class Measurement:
     """What one trial measured. ``status``: "ok", "gate" (wrong result), "prune" (cannot
     compile / out of resources) or "error" (raised at run time)."""
 
-    status: str
+    status: Status
     median_ms: float = math.nan
     p20_ms: float = math.nan
     p80_ms: float = math.nan

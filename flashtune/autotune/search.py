@@ -27,6 +27,7 @@ from flashtune.kernels.config import config_to_dict
 from flashtune.problem import Problem
 
 if TYPE_CHECKING:
+    from flashtune.autotune.measure import ReplyStatus
     from flashtune.autotune.tuner import TuneSession
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -287,7 +288,7 @@ class Search:
         pool_err = self._wait_compile(fut, t0)
         reply = self._request("measure", self.s.trial_timeout, config=params,
                               seed=self.s.seed * 1_000_003 + trial.number)
-        status = reply.get("status", "error")
+        status: ReplyStatus = reply.get("status", "error")
         detail = str(reply.get("detail", ""))
         self.measured += 1
         trial.set_user_attr("measured", True)
@@ -324,7 +325,7 @@ class Search:
         if value < self.best:
             self.best, self.best_params = value, dict(params)
 
-    def _tell_failed(self, trial: Any, params: Params, status: str, detail: str,
+    def _tell_failed(self, trial: Any, params: Params, status: ReplyStatus, detail: str,
                      pool_err: str) -> str:
         """A pruned (did not compile or fit) or failed candidate; returns the detail shown."""
         from optuna.trial import TrialState

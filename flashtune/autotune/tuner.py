@@ -390,7 +390,7 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
          retime_rounds: int | None = None, compile_workers: int | None = None,
          timing: dict[str, Any] | None = None, progress: ProgressFn | None = None,
          store: bool = True, warm_start: bool = True,
-         session: TuneSession | None = None) -> Any:
+         session: TuneSession | None = None) -> TuneResult | dict[str, TuneResult]:
     """Tune ``problem`` and write the winner(s) to the tuning database.
 
     Signature::
