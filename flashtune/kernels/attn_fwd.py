@@ -235,7 +235,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
     return o, lse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_portable_once(reason: str) -> None:
     logging.getLogger("flashtune").warning(
         "flashtune: the Hopper forward cannot take these tensors (%s); the portable kernel "
