@@ -236,17 +236,6 @@ def _check_unused_at_default(c: FwdConfig) -> None:
                 f"{VARIANT_NAMES[c.variant]} kernel; leave it at {getattr(default, f.name)}")
 
 
-def _triton_version() -> tuple[int, int] | None:
-    """(major, minor) of the installed Triton, read from its metadata (nothing imported)."""
-    from importlib import metadata
-
-    try:
-        parts = metadata.version("triton").split(".")
-        return int(parts[0]), int(parts[1])
-    except (metadata.PackageNotFoundError, ValueError, IndexError):
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def hopper_support() -> str:
     """'' when the Hopper (Gluon) kernels can run here, else why not. Checked once."""
@@ -254,11 +243,11 @@ def hopper_support() -> str:
 
     if interpreting():
         return "the CPU interpreter cannot run Gluon kernels"
-    version = _triton_version()
+    version = triton_version()
     if version not in GLUON_VERIFIED_TRITON:
         return (f"Gluon kernels are verified only on Triton "
                 f"{', '.join('.'.join(map(str, v)) for v in GLUON_VERIFIED_TRITON)}, "
-                f"this is {'.'.join(map(str, version)) if version else 'unknown'}")
+                f"this is {'.'.join(map(str, version))}")
     try:
         import torch
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401

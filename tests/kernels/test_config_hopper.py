@@ -85,7 +85,7 @@ def test_interpreter_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyPatc
 
 def test_unverified_triton_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(config, "_triton_version", lambda: (3, 99))
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 99))
     config.hopper_support.cache_clear()
     try:
         assert "verified only on Triton 3.6, this is 3.99" in config.hopper_support()
@@ -102,7 +102,7 @@ def test_triton_without_gluon_hopper_api(monkeypatch: pytest.MonkeyPatch) -> Non
     """A verified version number but no Gluon Hopper module: infeasible, and flashtune and
     its portable kernels still import and work."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(config, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 6))
     real_import = builtins.__import__
 
     def no_gluon(name: str, *args: object, **kwargs: object) -> object:
@@ -124,7 +124,7 @@ def test_no_cuda_device_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyP
     import torch
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(config, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 6))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config.hopper_support.cache_clear()
     try:
