@@ -30,6 +30,7 @@ from flashtune.kernels.config import (
     active_fields,
     config_fields,
     config_parts,
+    config_to_dict,
     is_feasible,
     variant_of,
 )
@@ -131,6 +132,11 @@ class SearchSpace:
         cls = CONFIG_TYPES[self.direction]
         return cls(**{n: params[n] for n, _ in self.choices  # type: ignore[no-any-return]
                       if n in params})
+
+    def complete(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with every field of the config type: the ones its variant does not use
+        (so an Optuna trial never suggested them) take their defaults."""
+        return config_to_dict(self.config(params))
 
     def contains(self, params: Mapping[str, Any]) -> bool:
         return all(params.get(n) in vals for n, vals in self.choices)
