@@ -1,10 +1,12 @@
 """Side-by-side attention benchmark under the house protocol (DESIGN.md).
 
 For every shape of the standard matrix (or a subset): training forward, backward
-((fwd+bwd) - fwd) and inference forward of flashtune (heuristic default config, and
-the dispatcher's choice with --tuned) against SDPA's cuDNN, FA2 and efficient backends
-and compiled FlexAttention, all timed in the same process. Prints a table of TFLOP/s
-and flashtune/anchor ratios; writes full JSON with GPU, versions and date.
+((fwd+bwd) - fwd) and inference forward of flashtune (heuristic default config, which is
+the Hopper kernel on sm90; the portable kernel's default with ``portable``; the
+dispatcher's choice with --tuned) against SDPA's cuDNN, FA2 and efficient backends and
+compiled FlexAttention, all timed in the same process. Prints a table of TFLOP/s and
+flashtune/anchor ratios, and the bf16 matmul ceiling measured in the same run; writes
+full JSON with GPU, versions and date.
 
     python benchmarks/bench_attention.py --out bench.json
 """
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from flashtune.kernels.attention import flash_attention
-from flashtune.kernels.config import default_bwd, default_fwd
+from flashtune.kernels.config import default_bwd, default_fwd, default_portable_fwd
 from flashtune.problem import Problem
 from flashtune.timing import anchors, geomean, standard_matrix, three_timings
 
@@ -53,6 +55,10 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
         "default": lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
                                                    config=(fcfg, bcfg)),
     }
+    if "portable" in impls:
+        pcfg = default_portable_fwd(p)
+        fns["portable"] = lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
+                                                          config=(pcfg, bcfg))
     if "tuned" in impls:
         import flashtune
 
@@ -61,6 +67,7 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
         if name in impls and (name != "flex" or flex):
             fns[name] = fn
     row: dict[str, Any] = {"problem": p.as_dict(), "label": _label(p),
+                           "fwd_config": repr(fcfg),
                            "flops": {"fwd": p.flops("fwd"), "bwd": p.flops("bwd")}, "impls": {}}
     for name, fn in fns.items():
         try:
@@ -78,11 +85,20 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
     return row
 
 
+def matmul_ceiling() -> float:
+    """bf16 8192^3 matrix product on random data, TFLOP/s (the ceiling fractions use it)."""
+    import triton
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_attention.json")
-    ap.add_argument("--impls", default="default,cudnn,fa2,efficient,flex",
-                    help="comma list among default,tuned,cudnn,fa2,efficient,flex")
+    ap.add_argument("--impls", default="default,portable,cudnn,fa2,efficient,flex",
+                    help="comma list among default,portable,tuned,cudnn,fa2,efficient,flex")
     ap.add_argument("--flex-seqlens", default="1024,4096,16384",
                     help="FlexAttention compiles per shape: time it only at these S")
     ap.add_argument("--seqlens", default="", help="restrict the matrix to these S")
@@ -104,7 +120,8 @@ def main() -> None:
                                                          if m.endswith("tflops")}
                                                      for k, v in row["impls"].items()}}),
               flush=True)
-    doc = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows}
+    doc = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows,
+           "matmul_tflops": matmul_ceiling()}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print_table(doc)
@@ -112,10 +129,13 @@ def main() -> None:
 
 def print_table(doc: dict[str, Any]) -> None:
     rows = doc["rows"]
-    names = [n for n in ("tuned", "default", "cudnn", "fa2", "efficient", "flex")
+    names = [n for n in ("tuned", "default", "portable", "cudnn", "fa2", "efficient", "flex")
              if any(n in r["impls"] for r in rows)]
     me = "tuned" if "tuned" in names else "default"
     print(f"\n{doc['environment']}")
+    ceil = doc.get("matmul_tflops")
+    if ceil:
+        print(f"bf16 matmul ceiling: {ceil:.0f} TFLOP/s")
     for kind in ("fwd", "bwd", "infer"):
         print(f"\n## {kind} TFLOP/s (ratio = {me} / anchor)")
         print("| shape | " + " | ".join(names) + " | " +
@@ -133,7 +153,9 @@ def print_table(doc: dict[str, Any]) -> None:
                     rcells.append(f"{vals[me] / vals[n]:.2f}")
                 else:
                     rcells.append("-")
-            print(f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(rcells) + " |")
+            frac = f" {vals[me] / ceil:.2f}" if ceil and vals[me] else ""
+            print(f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(rcells)
+                  + f" |{frac}")
         print("| geomean ratio | " + " | ".join("" for _ in names) + " | " +
               " | ".join(f"{geomean(ratios[n]):.2f}" for n in names if n != me) + " |")
 

@@ -180,14 +180,16 @@ def bench(quick: bool) -> list[dict]:
         fl = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ms = triton.testing.do_bench(
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                lambda q=q, k=k, v=v, causal=causal: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal),
                 return_mode="median")
         row = {"shape": f"B{b} H{h} S{s} D{d}{' causal' if causal else ''}",
                "cudnn": fl / ms / 1e9}
         for name, c in cfgs.items():
             if d == 128 and c.num_stages == 3 and c.block_n == 128:
                 continue
-            t = triton.testing.do_bench(lambda: run(q, k, v, c, causal=causal),
+            t = triton.testing.do_bench(lambda q=q, k=k, v=v, c=c, causal=causal: run(
+                q, k, v, c, causal=causal),
                                         return_mode="median")
             row[name] = fl / t / 1e9
         rows.append(row)

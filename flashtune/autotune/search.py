@@ -95,16 +95,18 @@ class Search:
                 self.measured += 1
             if (t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.params
                     and not t.user_attrs.get("cancelled")):
-                self.done.setdefault(sig(t.params), t)
+                self.done.setdefault(sig(self.s.space.complete(t.params)), t)
             if t.state == TrialState.COMPLETE and t.user_attrs.get("parts_ms"):
-                self.part_times[sig(t.params)] = (dict(t.params), dict(t.user_attrs["parts_ms"]))
+                full = self.s.space.complete(t.params)
+                self.part_times[sig(full)] = (full, dict(t.user_attrs["parts_ms"]))
         completed = [t for t in self.study.get_trials(deepcopy=False,
                                                       states=(TrialState.COMPLETE,))
                      if t.value is not None]
         best_t = min(completed, key=lambda t: float(t.value or 0.0), default=None)
         self.best: float = float(best_t.value) if best_t is not None \
             and best_t.value is not None else math.inf
-        self.best_params: Params = dict(best_t.params) if best_t is not None else {}
+        self.best_params: Params = self.s.space.complete(best_t.params) \
+            if best_t is not None else {}
 
     # -- reporting and stopping ------------------------------------------------------------
 

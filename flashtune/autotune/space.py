@@ -26,9 +26,12 @@ from flashtune.kernels.config import (
     CONFIG_TYPES,
     BwdConfig,
     FwdConfig,
+    active_fields,
     config_fields,
     config_parts,
+    config_to_dict,
     is_feasible,
+    variant_of,
 )
 from flashtune.problem import Problem
 
@@ -106,15 +109,33 @@ class SearchSpace:
 
         return {name: CategoricalDistribution(list(vals)) for name, vals in self.choices}
 
+    def active(self, params: Mapping[str, Any]) -> list[str]:
+        """The fields of this space that exist for ``params``' kernel variant: the space is
+        conditional, the variant decides which knobs there are."""
+        used = set(active_fields(CONFIG_TYPES[self.direction], variant_of(dict(params))))
+        return [n for n, _ in self.choices if n in used]
+
     def suggest(self, trial: Any) -> Config:
-        """Ask an Optuna trial for one value per field; returns the config."""
-        params = {name: trial.suggest_categorical(name, list(vals))
-                  for name, vals in self.choices}
+        """Ask an Optuna trial for the variant first, then for one value per field that the
+        variant uses (define-by-run); the other fields keep their defaults."""
+        params: dict[str, Any] = {}
+        if "variant" in self.fields:
+            params["variant"] = trial.suggest_categorical("variant", list(self.fields["variant"]))
+        for name in self.active(params):
+            if name not in params:
+                params[name] = trial.suggest_categorical(name, list(self.fields[name]))
         return self.config(params)
 
     def config(self, params: Mapping[str, Any]) -> Config:
+        """The config of ``params``; fields it lacks (unused by its variant) take defaults."""
         cls = CONFIG_TYPES[self.direction]
-        return cls(**{n: params[n] for n, _ in self.choices})  # type: ignore[no-any-return]
+        return cls(**{n: params[n] for n, _ in self.choices  # type: ignore[no-any-return]
+                      if n in params})
+
+    def complete(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with every field of the config type: the ones its variant does not use
+        (so an Optuna trial never suggested them) take their defaults."""
+        return config_to_dict(self.config(params))
 
     def contains(self, params: Mapping[str, Any]) -> bool:
         return all(params.get(n) in vals for n, vals in self.choices)
@@ -132,15 +153,17 @@ class SearchSpace:
         """Points ``radius`` steps away from ``params``: that many fields (of ``among``,
         default all) each moved to an adjacent choice (choices are ordered as declared,
         e.g. increasing block sizes)."""
-        names = [n for n, vals in self.choices if len(vals) > 1 and params.get(n) in vals
-                 and (among is None or n in among)]
-        base = {n: params[n] for n, _ in self.choices}
+        live = set(self.active(params))
+        default = CONFIG_TYPES[self.direction]()
+        base = {n: params.get(n, getattr(default, n)) for n, _ in self.choices}
+        names = [n for n, vals in self.choices if len(vals) > 1 and base[n] in vals
+                 and n in live and (among is None or n in among)]
         out = []
         for moved in itertools.combinations(names, radius):
             steps = []
             for n in moved:
                 vals = self.fields[n]
-                i = vals.index(params[n])
+                i = vals.index(base[n])
                 steps.append([vals[j] for j in (i - 1, i + 1) if 0 <= j < len(vals)])
             for values in itertools.product(*steps):
                 out.append({**base, **dict(zip(moved, values, strict=True))})

@@ -263,17 +263,21 @@ def _outcomes(search: Search) -> tuple[list[Any], list[Any], int, int]:
     return measured, ok, n_fail, n_pruned
 
 
-def _finalists(ok: list[Any], default_params: dict[str, Any], top_k: int) -> list[Any]:
+def _finalists(space: SearchSpace, ok: list[Any], default_params: dict[str, Any],
+               top_k: int) -> list[Any]:
     """The top-k distinct passing trials, and the heuristic default whenever it passed:
-    noise in the short search timings must not crown a config slower than the default."""
+    noise in the short search timings must not crown a config slower than the default.
+    Trials are compared as whole configs (a trial holds only its variant's knobs)."""
+    full = space.complete
     cands: list[Any] = []
     for t in ok:
-        if all(t.params != c.params for c in cands):
+        if all(full(t.params) != full(c.params) for c in cands):
             cands.append(t)
         if len(cands) >= max(top_k, 1):
             break
-    dflt_t = next((t for t in ok if t.params == default_params), None)
-    if dflt_t is not None and all(c.params != dflt_t.params for c in cands) and top_k > 1:
+    dflt_t = next((t for t in ok if full(t.params) == default_params), None)
+    if dflt_t is not None and all(full(c.params) != default_params for c in cands) \
+            and top_k > 1:
         cands.append(dflt_t)
     return cands
 
@@ -293,7 +297,7 @@ class _Verdict:
 def _retime(search: Search, cands: list[Any], verdict: _Verdict,
             default_params: dict[str, Any]) -> None:
     """Re-time the finalists, interleaved, and crown the fastest (in ``verdict``)."""
-    configs = [dict(c.params) for c in cands]
+    configs = [search.s.space.complete(c.params) for c in cands]
     search.emit(event="retime", configs=configs)
     rounds = search.s.retime_rounds
     reply = search.session.worker.request(
@@ -305,7 +309,7 @@ def _retime(search: Search, cands: list[Any], verdict: _Verdict,
         return
     ts = reply["timings"]
     for c, tm in zip(cands, ts, strict=True):
-        verdict.retimed.append({"config": dict(c.params), "trial": c.number,
+        verdict.retimed.append({"config": search.s.space.complete(c.params), "trial": c.number,
                                 "trial_ms": c.value, **tm})
     i = min(range(len(ts)), key=lambda j: ts[j]["median_ms"])
     verdict.winner = cands[i]
@@ -320,9 +324,10 @@ def _finish(search: Search, target: _Target) -> TuneResult:
     problem, direction, study = search.problem, search.direction, search.study
     measured, ok, n_fail, n_pruned = _outcomes(search)
     default_params = config_to_dict(default_config(direction, problem))
-    cands = _finalists(ok, default_params, search.s.top_k)
+    cands = _finalists(search.s.space, ok, default_params, search.s.top_k)
     verdict = _Verdict(cands[0], float(cands[0].value),
-                       default_ms=next((t.value for t in ok if t.params == default_params),
+                       default_ms=next((t.value for t in ok
+                                        if search.s.space.complete(t.params) == default_params),
                                        None))
     if len(cands) > 1 and search.s.retime_rounds > 0:
         _retime(search, cands, verdict, default_params)
@@ -331,7 +336,7 @@ def _finish(search: Search, target: _Target) -> TuneResult:
         else float(winner.user_attrs.get("p20_ms", med))
     p80 = verdict.p80_ms if verdict.p20_ms is not None and verdict.p80_ms is not None \
         else float(winner.user_attrs.get("p80_ms", med))
-    cfg = config_from_dict(direction, dict(winner.params))
+    cfg = config_from_dict(direction, search.s.space.complete(winner.params))
     full = config_to_dict(cfg)
     tflops = problem.flops(direction) / (med * 1e-3) / 1e12
     max_error = float(winner.user_attrs.get("max_error", math.nan))

@@ -9,6 +9,8 @@ unmasked middle run (see ``_masking``). It writes O and the natural-log LSE.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashtune.kernels._masking import _inner_range, _visible
-from flashtune.kernels.config import FwdConfig, padded_head_dim
+from flashtune.kernels.config import HOPPER, FwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
 
@@ -193,6 +195,21 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
 
     Returns ``o`` (q's shape, dtype and memory layout) and ``lse`` ((B, Hq, Sq) fp32, natural log).
     """
+    if config.variant == HOPPER:
+        from flashtune.kernels import attn_fwd_hopper as hopper
+
+        reason = hopper.tma_describable(q, k, v)
+        if not reason:
+            return hopper.attn_fwd_hopper(
+                q, k, v, sm_scale=sm_scale, mask=mask_params(causal, window),
+                scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
+        # Strides TMA cannot describe: the portable kernel's default serves this call.
+        _warn_portable_once(reason)
+        from flashtune.kernels.config import default_portable_fwd
+        from flashtune.problem import Problem
+
+        config = default_portable_fwd(Problem.from_tensors(q, k, causal=causal,
+                                                           window_size=window, softcap=softcap))
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -214,6 +231,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
         **launch_options(c.num_warps, c.num_stages, c.maxnreg),
     )
     return o, lse
+
+
+@functools.cache
+def _warn_portable_once(reason: str) -> None:
+    logging.getLogger("flashtune").warning(
+        "flashtune: the Hopper forward cannot take these tensors (%s); the portable kernel "
+        "runs instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to "
+        "use it.", reason)
 
 
 def tma_ok(*ts: torch.Tensor) -> bool:

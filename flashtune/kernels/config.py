@@ -13,6 +13,7 @@ heuristic default per problem (``default_fwd`` / ``default_bwd``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,22 +40,57 @@ _REG_BUDGET = 224
 _REG_OVERHEAD = 64
 
 
-def knob(default: Any, choices: tuple[Any, ...], doc: str, part: str | None = None) -> Any:
-    """A config field: its allowed values, a doc line and, for a config launched as several
-    kernels, the launch (``part``) it alone affects (None: it affects every launch)."""
-    return field(default=default, metadata={"choices": choices, "doc": doc, "part": part})
+# Forward kernel families (FwdConfig.variant).
+PORTABLE = 0  # FlashAttention-2 in plain Triton: any GPU, and the CPU interpreter
+HOPPER = 1  # FA3-style Gluon kernel for sm90 (kernels/attn_fwd_hopper.py)
+VARIANT_NAMES = {PORTABLE: "portable", HOPPER: "hopper"}
+
+# Triton versions whose Gluon Hopper API the Hopper kernels were verified on (on a GPU,
+# with the whole correctness grid). Gluon is experimental: its API moves between releases,
+# so any other version keeps the variant infeasible until it is verified.
+GLUON_VERIFIED_TRITON = ((3, 6),)
+
+
+def knob(default: Any, choices: tuple[Any, ...], doc: str, part: str | None = None,
+         variants: tuple[int, ...] | None = None) -> Any:
+    """A config field: its allowed values, a doc line, for a config launched as several
+    kernels the launch (``part``) it alone affects (None: it affects every launch), and the
+    kernel variants that use it (None: every variant). A field that the chosen variant does
+    not use must keep its default, so one kernel has one spelling."""
+    return field(default=default, metadata={"choices": choices, "doc": doc, "part": part,
+                                            "variants": variants})
+
+
+_P, _H = (PORTABLE,), (HOPPER,)
 
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Forward kernel: Q tile of ``block_m`` rows, K/V streamed in tiles of ``block_n``."""
+    """Forward kernel: Q tile of ``block_m`` rows, K/V streamed in tiles of ``block_n``.
+
+    ``variant`` picks the kernel family and so which knobs exist: the portable kernel
+    uses ``num_warps``, ``maxnreg`` and ``use_tma``; the Hopper kernel runs one consumer
+    warpgroup per 64 query rows (``block_m`` 64 or 128), a K/V ring ``num_stages`` deep,
+    and uses ``consumer_regs``, ``persistent``, ``tile_order`` and ``pingpong``.
+    """
 
     block_m: int = knob(64, POW2_BLOCKS, "query rows per program")
     block_n: int = knob(64, POW2_BLOCKS, "keys per inner-loop step")
-    num_warps: int = knob(4, WARPS, "warps per program")
-    num_stages: int = knob(2, STAGES, "software-pipelining depth of the K/V loop")
-    maxnreg: int = knob(0, MAXNREG, "register cap per thread (0 = compiler's choice)")
-    use_tma: int = knob(0, (0, 1), "load K/V through TMA tensor descriptors (Hopper+)")
+    num_warps: int = knob(4, WARPS, "warps per program", variants=_P)
+    num_stages: int = knob(2, STAGES, "pipelining depth of the K/V loop (Hopper: ring buffers)")
+    maxnreg: int = knob(0, MAXNREG, "register cap per thread (0 = compiler's choice)",
+                        variants=_P)
+    use_tma: int = knob(0, (0, 1), "load K/V through TMA tensor descriptors (Hopper+)",
+                        variants=_P)
+    variant: int = knob(PORTABLE, (PORTABLE, HOPPER),
+                        "kernel family: 0 portable Triton FA2, 1 Hopper Gluon FA3 (sm90)")
+    consumer_regs: int = knob(240, (216, 232, 240), "registers per consumer thread",
+                              variants=_H)
+    persistent: int = knob(0, (0, 1), "one program per SM looping over tiles", variants=_H)
+    tile_order: int = knob(0, (0, 1, 2), "tile order: 0 query blocks fastest; 1 same, "
+                           "heaviest first; 2 heads fastest, heaviest first", variants=_H)
+    pingpong: int = knob(0, (0, 1), "the two consumer warpgroups take turns on the tensor "
+                         "cores", variants=_H)
 
     kind = "fwd"
 
@@ -89,6 +125,23 @@ def config_fields(cls: type) -> dict[str, tuple[Any, ...]]:
 def config_parts(cls: type) -> dict[str, str | None]:
     """``{field name: the launch it affects}`` (None: shared by every launch)."""
     return {f.name: f.metadata.get("part") for f in dataclasses.fields(cls)}
+
+
+def active_fields(cls: type, variant: int | None = None) -> list[str]:
+    """The fields a config of ``variant`` uses (every field when the type has no variants)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        used = f.metadata.get("variants")
+        if variant is None or used is None or variant in used:
+            out.append(f.name)
+    return out
+
+
+def variant_of(params: Any) -> int | None:
+    """The ``variant`` of a config or a params mapping (None when it has none)."""
+    if isinstance(params, dict):
+        return params.get("variant", PORTABLE if "num_warps" in params else None)
+    return getattr(params, "variant", None)
 
 
 def config_to_dict(cfg: FwdConfig | BwdConfig) -> dict[str, int]:
@@ -172,8 +225,80 @@ def _check_smem(where: str, need: int, smem_bytes: int) -> None:
             f"{where}: estimated shared memory {need} B exceeds the device's {smem_bytes} B")
 
 
+def _check_unused_at_default(c: FwdConfig) -> None:
+    default = FwdConfig()
+    for f in dataclasses.fields(c):
+        used = f.metadata.get("variants")
+        if used is not None and c.variant not in used \
+                and getattr(c, f.name) != getattr(default, f.name):
+            raise InfeasibleConfigError(
+                f"fwd: {f.name}={getattr(c, f.name)} has no meaning for the "
+                f"{VARIANT_NAMES[c.variant]} kernel; leave it at {getattr(default, f.name)}")
+
+
+@functools.lru_cache(maxsize=1)
+def hopper_support() -> str:
+    """'' when the Hopper (Gluon) kernels can run here, else why not. Checked once."""
+    from flashtune._env import interpreting
+
+    if interpreting():
+        return "the CPU interpreter cannot run Gluon kernels"
+    version = triton_version()
+    if version not in GLUON_VERIFIED_TRITON:
+        return (f"Gluon kernels are verified only on Triton "
+                f"{', '.join('.'.join(map(str, v)) for v in GLUON_VERIFIED_TRITON)}, "
+                f"this is {'.'.join(map(str, version))}")
+    try:
+        import torch
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError as e:
+        return f"this Triton has no Gluon Hopper API ({e})"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cc = torch.cuda.get_device_capability()
+    if cc != (9, 0):
+        return f"the device is sm{cc[0]}{cc[1]}; the Hopper kernels need sm90"
+    return ""
+
+
+def smem_fwd_hopper(c: FwdConfig, d: int) -> int:
+    # One 64-row Q slice per consumer, a ring of K and V tiles, and the mbarriers.
+    return 2 * d * (c.block_m + 2 * c.num_stages * c.block_n) + 1024
+
+
+def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
+    if p.head_dim not in (64, 128):
+        raise InfeasibleConfigError(
+            f"fwd hopper: head_dim {p.head_dim} is not supported (allowed: 64, 128)")
+    if c.block_m not in (64, 128):
+        raise InfeasibleConfigError(
+            f"fwd hopper: block_m={c.block_m} (one consumer warpgroup per 64 rows; "
+            f"allowed: 64, 128)")
+    if c.block_n not in (64, 128):
+        raise InfeasibleConfigError(f"fwd hopper: block_n={c.block_n} (allowed: 64, 128)")
+    if not 2 <= c.num_stages <= 4:
+        raise InfeasibleConfigError(
+            f"fwd hopper: a K/V ring of {c.num_stages} buffers (allowed: 2 to 4)")
+    if c.pingpong and c.block_m != 128:
+        raise InfeasibleConfigError("fwd hopper: pingpong needs two consumers (block_m=128)")
+    _check_smem("fwd hopper", smem_fwd_hopper(c, p.head_dim), smem_bytes)
+    # Per consumer thread: the fp32 score tile, the fp32 accumulator, P in 16 bits.
+    regs = (64 * c.block_n + 64 * p.head_dim) / 128 + 64 * c.block_n / 256
+    if regs + _REG_OVERHEAD > c.consumer_regs:
+        raise InfeasibleConfigError(
+            f"fwd hopper: ~{regs + _REG_OVERHEAD:.0f} registers per consumer thread exceed "
+            f"consumer_regs={c.consumer_regs}")
+    reason = hopper_support()
+    if reason:
+        raise InfeasibleConfigError(f"fwd hopper: {reason}")
+
+
 def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
     """Raise InfeasibleConfigError (with the reason) if ``c`` cannot run ``p``."""
+    _check_unused_at_default(c)
+    if c.variant == HOPPER:
+        _check_fwd_hopper(c, p, smem_bytes)
+        return
     d = padded_head_dim(p.head_dim)
     _check_launch("fwd", c.block_m, c.num_warps)
     _check_smem("fwd", smem_fwd(c, d), smem_bytes)
@@ -229,7 +354,25 @@ def _fit_rows(block: int, n: int) -> int:
 
 
 def default_fwd(p: Problem) -> FwdConfig:
-    """Heuristic forward config (FA2-on-Hopper rules of thumb), always feasible."""
+    """Heuristic forward config, always feasible: the Hopper kernel where it can run and was
+    measured faster (1.14x the portable default, geomean over the standard matrix on the
+    H200), else the portable kernel with FA2-on-Hopper rules of thumb."""
+    # Short causal rows at D=64 are the one measured case where the portable kernel wins
+    # (H200, BENCHMARKS.md: S <= 2048, 0.83-0.98x), so they stay portable.
+    short_causal_64 = p.causal and p.head_dim == 64 and p.seqlen_q <= 2048
+    if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not short_causal_64 \
+            and not hopper_support():
+        # Measured on the H200 (BENCHMARKS.md): a persistent grid helps without a mask; with
+        # the causal diagonal, one tile per program balances better.
+        if p.causal or p.window != (-1, -1):
+            return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)
+        return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2, persistent=1,
+                         tile_order=1, pingpong=1)
+    return default_portable_fwd(p)
+
+
+def default_portable_fwd(p: Problem) -> FwdConfig:
+    """The portable kernel's heuristic config (FA2-on-Hopper rules of thumb), always feasible."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)

@@ -121,9 +121,11 @@ def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
     assert len(polish) == 1 and polish[0].number == measured[-1].number  # trial 3 of 3
     for t in polish:
         before = [e for e in measured if e.number < t.number]
-        incumbent = min(before, key=lambda e: e.value).params
+        # A trial holds only its variant's knobs: compare whole configs.
+        full = space.complete
+        incumbent = full(min(before, key=lambda e: e.value).params)
         near = space.neighbours(incumbent, 1) + space.neighbours(incumbent, 2)
-        assert t.params in near and all(e.params != t.params for e in before)
+        assert full(t.params) in near and all(full(e.params) != full(t.params) for e in before)
 
 
 def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:

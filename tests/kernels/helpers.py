@@ -12,6 +12,7 @@ from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import (
     BwdConfig,
     FwdConfig,
+    active_fields,
     config_fields,
     default_bwd,
     default_fwd,
@@ -43,17 +44,19 @@ def make_qkv(p: Problem, device: str, layout: str = "bhsd", gen: torch.Generator
 
 
 def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64,
-                  max_stages: int = 3) -> FwdConfig | BwdConfig:
+                  max_stages: int = 3, variant: int | None = None) -> FwdConfig | BwdConfig:
     """A random *feasible* config of ``cls`` for ``p`` (blocks capped to keep the interpreter
     quick; on the GPU pass larger caps)."""
     space = config_fields(cls)
     for _ in range(1000):
         kw = {}
-        for name, choices in space.items():
-            allowed = [c for c in choices
+        if "variant" in space:  # the space is conditional: the variant decides the knobs
+            kw["variant"] = rng.choice(space["variant"] if variant is None else (variant,))
+        for name in active_fields(cls, kw.get("variant")):
+            allowed = [c for c in space[name]
                        if not (("block" in name and c > max_block)
                                or ("stages" in name and c > max_stages))]
-            kw[name] = rng.choice(allowed)
+            kw.setdefault(name, rng.choice(allowed))
         cfg = cls(**kw)
         if is_feasible(cfg, p)[0]:
             return cfg

@@ -1,0 +1,179 @@
+"""The Hopper (Gluon) forward on an sm90 GPU, against the fp32 reference (2x rule).
+
+Every case runs through the public ``flash_attention`` with the variant forced, backward
+included (the portable backward consumes the Hopper forward's O and LSE). Each group runs
+in a child process under a watchdog: a barrier mistake hangs the GPU, and the watchdog
+turns that into a failed test instead of a hung run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import traceback
+from typing import Any
+
+import pytest
+
+WATCHDOG_S = 600.0
+
+# (B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, layout)
+CASES = [
+    (2, 4, 4, 256, 256, 128, "bf16", False, (-1, -1), 0.0, "bhsd"),
+    (2, 4, 4, 1000, 1000, 128, "bf16", True, (-1, -1), 0.0, "bhsd"),
+    (1, 8, 2, 97, 1025, 128, "fp16", True, (-1, -1), 0.0, "bshd"),     # Sq < Sk, GQA 4:1
+    (1, 4, 1, 1025, 97, 64, "bf16", True, (-1, -1), 0.0, "bhsd"),      # MQA, empty rows
+    (2, 6, 3, 300, 333, 64, "fp16", False, (-1, -1), 0.0, "bshd"),
+    (1, 2, 2, 333, 517, 128, "bf16", False, (100, 20), 0.0, "bhsd"),   # window
+    (1, 2, 2, 700, 700, 64, "bf16", True, (50, -1), 0.0, "bshd"),      # causal + window
+    (1, 4, 2, 250, 250, 128, "bf16", True, (-1, -1), 30.0, "bhsd"),    # softcap
+    (2, 4, 2, 1, 77, 128, "fp16", False, (-1, -1), 5.0, "bhsd"),       # one query row
+    (2, 4, 2, 77, 1, 64, "bf16", True, (-1, -1), 0.0, "bhsd"),         # one key
+    (1, 2, 2, 64, 300, 128, "bf16", False, (0, 0), 0.0, "bhsd"),       # diagonal only
+    (1, 2, 1, 200, 200, 128, "bf16", True, (-1, -1), 0.0, "dpad"),     # TMA-unaligned: falls back
+    (1, 16, 16, 4096, 4096, 128, "bf16", True, (-1, -1), 0.0, "bhsd"),
+]
+
+
+def _hopper_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
+    import dataclasses
+
+    from flashtune.kernels.config import HOPPER, default_fwd, is_feasible
+
+    from .helpers import random_config
+
+    base = default_fwd(p)
+    out = [base] if base.variant == HOPPER else []
+    seen = set(out)
+    for _ in range(200 * n):
+        if len(out) >= n:
+            break
+        c = random_config(type(base), p, rng, max_block=128, max_stages=4, variant=HOPPER)
+        if c not in seen and is_feasible(c, p)[0]:
+            out.append(c)
+            seen.add(c)
+    assert out and all(dataclasses.asdict(c)["variant"] == HOPPER for c in out), p
+    return out
+
+
+def _grid(seed: int) -> list[str]:
+    import torch
+
+    from .helpers import case_problem, check_case
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for case in CASES:
+        p = case_problem(case)
+        for cfg in _hopper_configs(p, rng, 3):
+            try:
+                check_case(p, "cuda", fwd=cfg, layout=case[-1], backward=p.seqlen_q < 4096,
+                           gen=gen)
+            except AssertionError as e:
+                failures.append(f"{case} {cfg}: {e}")
+    return failures
+
+
+def _random_configs(seed: int) -> list[str]:
+    """30 random feasible Hopper configs, each on a random odd-shaped problem."""
+    import torch
+
+    from flashtune.problem import Problem
+
+    from .helpers import check_case
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for _ in range(30):
+        hk = rng.choice([1, 2, 4])
+        p = Problem(rng.randint(1, 2), hk * rng.choice([1, 2]), hk, rng.randint(1, 900),
+                    rng.randint(1, 900), rng.choice([64, 128]), rng.choice(["fp16", "bf16"]),
+                    rng.random() < 0.5, rng.choice([(-1, -1), (-1, -1), (64, 16)]),
+                    rng.choice([0.0, 0.0, 20.0]))
+        (cfg,) = _hopper_configs(p, rng, 1)[-1:]
+        try:
+            check_case(p, "cuda", fwd=cfg, backward=False, gen=gen)
+        except AssertionError as e:
+            failures.append(str(e))
+    return failures
+
+
+def _bit_identical(seed: int) -> list[str]:
+    import torch
+
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.problem import Problem
+
+    from .helpers import make_qkv
+
+    rng = random.Random(seed)
+    failures = []
+    for causal in (False, True):
+        p = Problem(2, 8, 2, 1500, 1500, 128, "bf16", causal)
+        q, k, v, _ = make_qkv(p, "cuda", gen=torch.Generator().manual_seed(seed))
+        for cfg in _hopper_configs(p, rng, 4):
+            o1, l1 = flash_attention(q, k, v, causal=causal, return_lse=True, config=cfg)
+            o2, l2 = flash_attention(q, k, v, causal=causal, return_lse=True, config=cfg)
+            if not (torch.equal(o1, o2) and torch.equal(l1, l2)):
+                failures.append(f"{p} {cfg}: repeated forwards differ")
+    return failures
+
+
+def _child(name: str, seed: int, conn: Any) -> None:
+    try:
+        conn.send(("ok", globals()[name](seed)))
+    except BaseException:  # report anything, the parent decides
+        conn.send(("error", traceback.format_exc()))
+
+
+def _watched(name: str, seed: int) -> list[str]:
+    """Run ``name(seed)`` in a child process; fail the test if it hangs."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(name, seed, child), daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(WATCHDOG_S):
+        proc.kill()
+        proc.join()
+        pytest.fail(f"watchdog: {name} did not finish in {WATCHDOG_S:.0f} s (a hung barrier?)")
+    status, payload = parent.recv()
+    proc.join()
+    assert status == "ok", payload
+    return payload  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def needs_hopper() -> None:
+    from flashtune.kernels.config import hopper_support
+
+    reason = hopper_support()
+    if reason:
+        pytest.skip(f"Hopper kernels cannot run here: {reason}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical"])
+def test_hopper_forward(group: str, seed: int, needs_hopper: None) -> None:
+    failures = _watched(group, seed)
+    assert not failures, "\n".join(failures)
+
+
+def test_watchdog_fails_a_hung_child() -> None:
+    """The watchdog itself: a child that never reports is killed and the test fails."""
+    global WATCHDOG_S
+    old, WATCHDOG_S = WATCHDOG_S, 3.0
+    try:
+        with pytest.raises(pytest.fail.Exception, match="watchdog"):
+            _watched("_sleep_forever", 0)
+    finally:
+        WATCHDOG_S = old
+
+
+def _sleep_forever(seed: int) -> list[str]:
+    import time
+
+    while True:
+        time.sleep(1)

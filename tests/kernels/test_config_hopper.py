@@ -1,0 +1,198 @@
+"""The Hopper (Gluon) forward as a config axis: feasibility rules, the conditional space,
+serialization, and what a machine without sm90 or without Gluon gets.
+
+Gluon kernels do not run in the interpreter; their numerics are tested on the GPU
+(tests/kernels/test_attn_fwd_hopper.py). Each rule here has a test that fails without it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+
+import optuna
+import pytest
+
+from flashtune.autotune.space import SearchSpace
+from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels import config
+from flashtune.kernels.config import (
+    HOPPER,
+    PORTABLE,
+    FwdConfig,
+    active_fields,
+    check_fwd,
+    config_from_dict,
+    config_to_dict,
+    default_fwd,
+)
+from flashtune.problem import Problem
+
+P128 = Problem(batch=2, heads_q=16, heads_kv=16, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+               dtype="bf16", causal=True)
+HOP = FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend the target checks pass, so the other rules can be tested on the CPU."""
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+
+
+def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
+    check_fwd(HOP, P128)
+    check_fwd(dataclasses.replace(HOP, pingpong=1, persistent=1, tile_order=2), P128)
+    check_fwd(dataclasses.replace(HOP, block_m=64, block_n=64, num_stages=4),
+              dataclasses.replace(P128, head_dim=64))
+
+
+@pytest.mark.parametrize("change, problem_change, words", [
+    ({}, {"head_dim": 96}, "head_dim 96"),
+    ({}, {"head_dim": 256}, "head_dim 256"),
+    ({"block_m": 256}, {}, "block_m=256"),
+    ({"block_n": 32}, {}, "block_n=32"),
+    ({"num_stages": 5}, {}, "ring of 5"),
+    ({"num_stages": 4}, {}, "shared memory"),  # 4 x 2 x 128 x 128 x 2 B does not fit
+    ({"block_m": 64, "pingpong": 1}, {}, "pingpong needs two consumers"),
+    ({"consumer_regs": 216}, {}, "consumer_regs=216"),
+    ({"num_warps": 8}, {}, "num_warps=8 has no meaning for the hopper kernel"),
+    ({"use_tma": 1}, {}, "use_tma=1 has no meaning"),
+    ({"maxnreg": 128}, {}, "maxnreg=128 has no meaning"),
+])
+def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_change: dict,
+                                         words: str) -> None:
+    with pytest.raises(InfeasibleConfigError, match=words):
+        check_fwd(dataclasses.replace(HOP, **change), dataclasses.replace(P128, **problem_change))
+
+
+@pytest.mark.parametrize("field, value", [("persistent", 1), ("tile_order", 2),
+                                          ("pingpong", 1), ("consumer_regs", 232)])
+def test_portable_config_rejects_hopper_knobs(field: str, value: int) -> None:
+    with pytest.raises(InfeasibleConfigError, match=f"{field}={value} has no meaning for the "
+                                                    "portable kernel"):
+        check_fwd(dataclasses.replace(FwdConfig(), **{field: value}), P128)
+
+
+def test_interpreter_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config.hopper_support.cache_clear()
+    try:
+        with pytest.raises(InfeasibleConfigError, match="CPU interpreter cannot run Gluon"):
+            check_fwd(HOP, P128)
+    finally:
+        config.hopper_support.cache_clear()
+
+
+def test_unverified_triton_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 99))
+    config.hopper_support.cache_clear()
+    try:
+        assert "verified only on Triton 3.6, this is 3.99" in config.hopper_support()
+    finally:
+        config.hopper_support.cache_clear()
+
+
+def test_verified_versions_are_listed_in_code() -> None:
+    assert (3, 6) in config.GLUON_VERIFIED_TRITON
+    assert all(isinstance(v, tuple) and len(v) == 2 for v in config.GLUON_VERIFIED_TRITON)
+
+
+def test_triton_without_gluon_hopper_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified version number but no Gluon Hopper module: infeasible, and flashtune and
+    its portable kernels still import and work."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 6))
+    real_import = builtins.__import__
+
+    def no_gluon(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("triton.experimental.gluon"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_gluon)
+    config.hopper_support.cache_clear()
+    try:
+        assert "no Gluon Hopper API" in config.hopper_support()
+        assert default_fwd(P128).variant == PORTABLE
+    finally:
+        config.hopper_support.cache_clear()
+
+
+def test_no_cuda_device_makes_the_variant_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(config, "triton_version", lambda: (3, 6))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config.hopper_support.cache_clear()
+    try:
+        assert config.hopper_support() == "no CUDA device"
+    finally:
+        config.hopper_support.cache_clear()
+
+
+def test_cpu_default_is_the_portable_kernel() -> None:
+    c = default_fwd(P128)
+    assert c.variant == PORTABLE
+    check_fwd(c, P128)
+
+
+def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
+    for causal in (False, True):
+        p = dataclasses.replace(P128, causal=causal)
+        c = default_fwd(p)
+        assert c.variant == HOPPER
+        check_fwd(c, p)
+    # Shapes the variant cannot take stay portable.
+    assert default_fwd(dataclasses.replace(P128, head_dim=96)).variant == PORTABLE
+    assert default_fwd(dataclasses.replace(P128, seqlen_q=17)).variant == PORTABLE
+    # Measured slower there: short causal rows at D=64.
+    short64 = dataclasses.replace(P128, head_dim=64, seqlen_q=1024, seqlen_k=1024)
+    assert default_fwd(short64).variant == PORTABLE
+    assert default_fwd(dataclasses.replace(short64, causal=False)).variant == HOPPER
+
+
+def test_serialization_round_trip_and_old_exports() -> None:
+    d = config_to_dict(dataclasses.replace(HOP, pingpong=1, persistent=1))
+    assert config_from_dict("fwd", d) == dataclasses.replace(HOP, pingpong=1, persistent=1)
+    # An export written before the variant axis existed: the portable kernel, as it was.
+    old = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "maxnreg": 0,
+           "use_tma": 0}
+    assert config_from_dict("fwd", old).variant == PORTABLE
+    with pytest.raises(ValueError, match="'variant' = 7"):
+        config_from_dict("fwd", {**d, "variant": 7})
+
+
+def test_active_fields_follow_the_variant() -> None:
+    hop, port = set(active_fields(FwdConfig, HOPPER)), set(active_fields(FwdConfig, PORTABLE))
+    assert {"consumer_regs", "persistent", "tile_order", "pingpong"} <= hop - port
+    assert {"num_warps", "maxnreg", "use_tma"} <= port - hop
+    assert {"block_m", "block_n", "num_stages", "variant"} <= hop & port
+
+
+def test_space_is_conditional_on_the_variant() -> None:
+    space = SearchSpace.full("fwd")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        trial = study.ask()
+        cfg = space.suggest(trial)
+        seen.add(cfg.variant)
+        used = set(active_fields(FwdConfig, cfg.variant))
+        assert set(trial.params) == used
+        # Fields the variant does not use are at their defaults: one spelling per kernel.
+        for name in set(config_to_dict(cfg)) - used:
+            assert getattr(cfg, name) == getattr(FwdConfig(), name)
+        study.tell(trial, 1.0)
+    assert seen == {PORTABLE, HOPPER}
+
+
+def test_neighbours_move_only_the_variants_knobs() -> None:
+    space = SearchSpace.full("fwd")
+    params = {"variant": HOPPER, "block_m": 128, "block_n": 128, "num_stages": 2}
+    moved = {n for p in space.neighbours(params) for n in p
+             if p[n] != space.project(params)[n]}  # type: ignore[index]
+    assert "num_warps" not in moved and "use_tma" not in moved
+    assert {"persistent", "pingpong", "block_n"} <= moved
