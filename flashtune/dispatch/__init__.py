@@ -68,8 +68,8 @@ from flashtune.exceptions import DispatchMissError
 from flashtune.kernels import attention as _attention
 from flashtune.kernels import varlen as _varlen
 from flashtune.kernels.attention import flash_attention, flash_attn_func
-from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.kernels.config import BwdConfig, FwdConfig, config_to_dict, default_config
+from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem, ProblemKey
 
 if TYPE_CHECKING:
