@@ -22,7 +22,6 @@ the registration covers torch's CPU flash kernel, so CI tests this path.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
 from flashtune.kernels.attention import _INTERPRET, _bwd_impl, _fwd_impl, flash_attention
+from flashtune.problem import HEAD_DIMS, default_scale, head_dim_ok
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def _fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p
     d = query.shape[-1]
     if key.shape[-1] != d or value.shape[-1] != d:
         return "a value head dim that differs from the query's"
-    if d % 8 or not 16 <= d <= 256:
-        return f"head_dim {d} (flashtune runs multiples of 8 in [16, 256])"
+    if not head_dim_ok(d):
+        return f"head_dim {d} (flashtune runs {HEAD_DIMS})"
     if query.device.type != "cuda" and not (query.device.type == "cpu" and _INTERPRET):
         return f"device {query.device.type}"
     hq, hk = query.shape[1], key.shape[1]
@@ -123,9 +123,9 @@ def _op_args(q: torch.Tensor, k: torch.Tensor, dropout_p: float, is_causal: bool
         raise RuntimeError("flashtune flash attention: is_causal with seqlen_q != seqlen_k "
                            f"({q.shape[2]} vs {k.shape[2]}) is not supported")
     d = q.shape[-1]
-    if d % 8 or not 16 <= d <= 256 or k.shape[-1] != d:
+    if not head_dim_ok(d) or k.shape[-1] != d:
         raise RuntimeError(f"flashtune flash attention: head_dim {d} is not supported")
-    return is_causal, scale if scale is not None else 1.0 / math.sqrt(d), (-1, -1)
+    return is_causal, scale if scale is not None else default_scale(d), (-1, -1)
 
 
 def _flash_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

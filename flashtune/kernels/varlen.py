@@ -36,7 +36,7 @@ from flashtune.kernels.config import (
     check_fwd,
     default_config,
 )
-from flashtune.problem import Problem
+from flashtune.problem import HEAD_DIMS, Problem, head_dim_ok
 
 ProblemResolver = Callable[[str, Problem, torch.device], "FwdConfig | BwdConfig"]
 
@@ -112,8 +112,8 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
     d, hq, hk = q.shape[2], q.shape[1], k.shape[1]
     if k.shape[2] != d:
         raise ValueError(f"k.shape[2] (head_dim) = {k.shape[2]} must equal q.shape[2] = {d}")
-    if d % 8 or not 16 <= d <= 256:
-        raise ValueError(f"head_dim = {d} is not supported: use a multiple of 8 in [16, 256]")
+    if not head_dim_ok(d):
+        raise ValueError(f"head_dim = {d} is not supported: use {HEAD_DIMS}")
     if hk < 1 or hq % hk:
         raise ValueError(f"q heads = {hq} must be a multiple of k/v heads = {hk} (GQA/MQA)")
     if q.shape[0] < 1 or k.shape[0] < 1:
