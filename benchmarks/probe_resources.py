@@ -27,18 +27,18 @@ def _compile(job: tuple) -> dict:
     t = torch.empty(1, 2, 1024, d, device="cuda", dtype=torch.bfloat16)
     f = torch.empty(1, 2, 1024, device="cuda", dtype=torch.float32)
     common = dict(GQA=1, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, MASK_LEFT=False,
-                  MASK_RIGHT=True, SOFTCAP=False, num_warps=warps, num_stages=stages,
-                  grid=(1,))
+                  MASK_RIGHT=True, SOFTCAP=False, IS_VARLEN=False, num_warps=warps,
+                  num_stages=stages, grid=(1,))
     try:
         if kernel == "fwd":
-            ck = _attn_fwd_kernel.warmup(t, t, t, t, f, *t.stride() * 4, 2, 1024, 1024, 0, 0,
-                                         0.1, 0.0, 0.0, **common)
+            ck = _attn_fwd_kernel.warmup(t, t, t, t, f, t, t, t, t, *t.stride() * 4, 2, 1024,
+                                         1024, 0, 0, 0.1, 0.0, 0.0, USE_TMA=False, **common)
         elif kernel == "dkdv":
-            ck = _attn_bwd_dkdv_kernel.warmup(t, t, t, t, f, f, t, t, *t.stride() * 6, 2, 1024,
-                                              1024, 0, 0, 0.1, 0.1, 0.0, 0.0, **common)
+            ck = _attn_bwd_dkdv_kernel.warmup(t, t, t, t, f, f, t, t, t, t, *t.stride() * 6, 2,
+                                              1024, 1024, 0, 0, 0.1, 0.1, 0.0, 0.0, **common)
         else:
-            ck = _attn_bwd_dq_kernel.warmup(t, t, t, t, f, f, t, *t.stride() * 5, 2, 1024, 1024,
-                                            0, 0, 0.1, 0.1, 0.0, 0.0, **common)
+            ck = _attn_bwd_dq_kernel.warmup(t, t, t, t, f, f, t, t, t, *t.stride() * 5, 2, 1024,
+                                            1024, 0, 0, 0.1, 0.1, 0.0, 0.0, **common)
         rec["shared"] = ck.metadata.shared
         ck._init_handles()  # loads the binary: raises OutOfResources past the smem limit
         rec.update(regs=ck.n_regs, spills=ck.n_spills)

@@ -1,7 +1,10 @@
 """flashtune: autotuned Triton FlashAttention-2 kernels, a tuning database and a dispatcher.
 
-Public API: :func:`flash_attention`, :func:`explain`, :class:`FwdConfig`, :class:`BwdConfig`
-(for ``config=``), :class:`Problem` (for ``tune()``) and :data:`__version__`.
+Public API: :func:`flash_attention` (PyTorch's (B, H, S, D) layout), :func:`flash_attn_func`
+(flash-attn's (B, S, H, D)), :func:`flash_attn_varlen_func` (packed (total, H, D)),
+:func:`scaled_dot_product_attention` (SDPA's signature, falls back to torch),
+:func:`explain`, :class:`FwdConfig`, :class:`BwdConfig` (for ``config=``), :class:`Problem`
+(for ``tune()``) and :data:`__version__`.
 Importing flashtune does not import triton, optuna or sqlalchemy; ``flash_attention``
 loads the kernels and installs the dispatcher (:mod:`flashtune.dispatch`) on first use,
 and the dispatcher opens the tuning database on its first call.
@@ -14,11 +17,16 @@ from typing import Any
 
 from flashtune._version import __version__
 
-__all__ = ["flash_attention", "explain", "FwdConfig", "BwdConfig", "Problem", "__version__"]
+__all__ = ["flash_attention", "flash_attn_func", "flash_attn_varlen_func",
+           "scaled_dot_product_attention", "explain", "FwdConfig", "BwdConfig", "Problem",
+           "__version__"]
 
 # name -> (module, attribute); loaded on first use so that `import flashtune` stays cheap.
 _LAZY = {
     "flash_attention": ("flashtune.dispatch", "flash_attention"),
+    "flash_attn_func": ("flashtune.dispatch", "flash_attn_func"),
+    "flash_attn_varlen_func": ("flashtune.dispatch", "flash_attn_varlen_func"),
+    "scaled_dot_product_attention": ("flashtune.sdpa", "scaled_dot_product_attention"),
     "explain": ("flashtune.dispatch", "explain"),
     "FwdConfig": ("flashtune.kernels.config", "FwdConfig"),
     "BwdConfig": ("flashtune.kernels.config", "BwdConfig"),

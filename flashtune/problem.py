@@ -100,6 +100,10 @@ class Problem:
     causal: bool = False
     window: tuple[int, int] = field(default=(-1, -1))
     softcap: float = 0.0
+    # Packed (varlen) batches: the token totals (0 for a dense batch). ``batch`` is then the
+    # number of sequences and ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths.
+    total_q: int = 0
+    total_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
@@ -119,6 +123,18 @@ class Problem:
         object.__setattr__(self, "window", w)
         if not self.softcap >= 0.0 or math.isinf(self.softcap):
             raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
+        for name in ("total_q", "total_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: not packed), got {v!r}")
+        if (self.total_q > 0) != (self.total_k > 0):
+            raise ValueError(f"total_q and total_k are both 0 (dense) or both > 0 (packed), "
+                             f"got {self.total_q} and {self.total_k}")
+
+    @property
+    def packed(self) -> bool:
+        """A packed (varlen) batch: ``batch`` sequences of up to seqlen_q / seqlen_k tokens."""
+        return self.total_q > 0
 
     @property
     def has_window(self) -> bool:
@@ -161,6 +177,8 @@ class Problem:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["window"] = list(self.window)
+        if not self.packed:  # a dense problem's dict is what it was before packed batches
+            del d["total_q"], d["total_k"]
         return d
 
     @classmethod

@@ -66,15 +66,18 @@ from flashtune.dispatch._state import (
 from flashtune.dispatch._table import Choice, Table, load_table, log
 from flashtune.exceptions import DispatchMissError
 from flashtune.kernels import attention as _attention
-from flashtune.kernels.attention import flash_attention
+from flashtune.kernels import varlen as _varlen
+from flashtune.kernels.attention import flash_attention, flash_attn_func
 from flashtune.kernels.config import BwdConfig, FwdConfig, config_to_dict, default_config
+from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem, ProblemKey
 
 if TYPE_CHECKING:
     from flashtune.db.storage import Result
 
 __all__ = ["Choice", "Explanation", "explain", "preload", "reload", "flush_misses", "stats",
-           "resolve", "SOURCES", "flash_attention"]
+           "resolve", "resolve_problem", "SOURCES", "flash_attention", "flash_attn_func",
+           "flash_attn_varlen_func"]
 
 SOURCES = ("tuned", "nearest", "default")
 
@@ -86,16 +89,26 @@ def resolve(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
     cfg = fast.get(fk)
     if cfg is not None:
         return cfg
-    return _first_sight(fk, direction, q, k, causal, window, softcap)
-
-
-def _first_sight(fk: tuple[Any, ...], direction: str, q: torch.Tensor, k: torch.Tensor,
-                 causal: bool, window: tuple[int, int], softcap: float) -> Config:
     problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
+    return _first_sight(fk, direction, problem, q.device)
+
+
+def resolve_problem(direction: str, problem: Problem, device: torch.device) -> Config:
+    """The config for one packed (varlen) call, by its :class:`Problem` (the resolver
+    :mod:`flashtune.kernels.varlen` calls when no config is forced)."""
+    fk = (direction, problem, device)
+    cfg = fast.get(fk)
+    if cfg is not None:
+        return cfg
+    return _first_sight(fk, direction, problem, device)
+
+
+def _first_sight(fk: tuple[Any, ...], direction: str, problem: Problem,
+                 device: torch.device) -> Config:
     graph = in_graph()
     with lock:
         counters["first_sights"] += 1
-        table = table_for(q.device, load=not graph)
+        table = table_for(device, load=not graph)
         if table is None:
             counters["uncached"] += 1
             warn_once("in-graph", "flashtune: first call of a shape inside CUDA-graph capture or "
@@ -237,8 +250,10 @@ def preload(device: Any = None) -> dict[str, Any]:
 
 
 def install() -> None:
-    """Make :func:`resolve` the kernels' config resolver (done when this package loads)."""
+    """Make :func:`resolve` and :func:`resolve_problem` the kernels' config resolvers (done
+    when this package loads)."""
     _attention.set_config_resolver(resolve)
+    _varlen.set_varlen_resolver(resolve_problem)
 
 
 install()

@@ -98,6 +98,12 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
     if b < 1 or sq < 1 or sk < 1:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got batch={b}, "
                          f"seqlen_q={sq}, seqlen_k={sk}")
+    return validate_options(d, causal, softmax_scale, window_size, softcap)
+
+
+def validate_options(d: int, causal: Any, softmax_scale: Any, window_size: Any,
+                     softcap: Any) -> tuple[float, tuple[int, int], float]:
+    """The mask and score options of every entry point; (scale, window, softcap) normalised."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is None:
@@ -120,6 +126,11 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
     if not (cap >= 0 and math.isfinite(cap)):
         raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap!r}")
     return scale, window, cap
+
+
+def validate_deterministic(deterministic: Any) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
 
 
 def split_config(config: Any) -> tuple[FwdConfig | None, BwdConfig | None]:
@@ -281,7 +292,7 @@ def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: float | None = None,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    return_lse: bool = False,
+                    return_lse: bool = False, deterministic: bool = True,
                     config: FwdConfig | BwdConfig | tuple[FwdConfig, BwdConfig] | None = None,
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 on q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), any strides.
@@ -291,9 +302,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     ``softcap * tanh(s / softcap)`` to the scores. Returns the output (q's shape and
     dtype), plus the natural-log LSE (B, Hq, Sq) fp32 with ``return_lse=True``.
     ``config`` forces a forward and/or backward config; otherwise the installed
-    resolver (the dispatcher, or the heuristic default) chooses.
+    resolver (the dispatcher, or the heuristic default) chooses. The backward is
+    deterministic whatever ``deterministic`` says (it is accepted for flash-attn
+    compatibility; faster variants with a free dQ order may later serve ``False``).
+
+    The layout is PyTorch SDPA's: heads before sequence. For flash-attn's (B, S, H, D)
+    tensors use :func:`flash_attn_func`, or pass ``x.transpose(1, 2)`` (no copy).
     """
     scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
+    validate_deterministic(deterministic)
     fwd_cfg, bwd_cfg = split_config(config)
     if fwd_cfg is not None or bwd_cfg is not None:
         _check_forced(fwd_cfg, bwd_cfg, tuple(q.shape), tuple(k.shape), q.dtype, causal, window,
@@ -306,3 +323,31 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     else:
         o, lse = _fwd_impl(q, k, v, causal, scale, window, cap, fwd_enc)
     return (o, lse) if return_lse else o
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False) -> torch.Tensor:
+    """flash-attn's ``flash_attn_func``: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), with
+    flash-attn's defaults; returns (B, Sq, Hq, D). Runs :func:`flash_attention` on
+    transposed views (no copies). Dropout, ALiBi and returning the attention
+    probabilities are not implemented and raise a ValueError naming the argument."""
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p!r}: flashtune has no attention dropout; pass "
+                         "dropout_p=0.0 (flash-attn's default in eval is 0.0 too)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by flashtune; pass alibi_slopes=None")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported by flashtune; use "
+                         "flash_attention(..., return_lse=True) for the log-sum-exp")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim) for "
+                             f"flash_attn_func, got shape {tuple(t.shape)}")
+    out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                          softcap=softcap, deterministic=deterministic)
+    assert isinstance(out, torch.Tensor)
+    return out.transpose(1, 2)

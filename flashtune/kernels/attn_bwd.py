@@ -5,6 +5,10 @@ uses atomics: the dK/dV kernel holds a K/V tile and loops over query tiles (and,
 for GQA, over every query head of its group, summing in a fixed order); the dQ
 kernel holds a Q tile and loops over key tiles. Gradients are therefore
 bit-identical from run to run.
+
+Packed (varlen) batches use the same kernels with ``IS_VARLEN``, as the forward does:
+(total, H, D) tensors, per-sequence bounds from the prefix sums, and (Hq, total_q) LSE
+and delta buffers.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ import triton.language as tl
 
 from flashtune.kernels._masking import _inner_range, _visible
 from flashtune.kernels.attn_fwd import (
+    Packed,
     _load_rows,
+    _lse_row,
+    _seq_bounds,
     _tanh,
+    kernel_strides,
     launch_options,
     mask_params,
+    problem_dims,
     score_scales,
 )
 from flashtune.kernels.config import BwdConfig, padded_head_dim
@@ -96,7 +105,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qm, stride_dom, offs_n, 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -108,6 +117,7 @@ def _attn_bwd_dkdv_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs every dimension >= 16
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -115,10 +125,19 @@ def _attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_kv).to(tl.int64)
     off_hk = (pid_bh % heads_kv).to(tl.int64)
+    rows_q = seq_q
+    q_start, k_start, seq_q, seq_k = _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN)
+    if IS_VARLEN:
+        if pid_n * BLOCK_N >= seq_k:  # this tile lies past the end of its sequence
+            return
     offset = seq_k - seq_q
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    K = K + k_start * stride_kn
+    V = V + k_start * stride_vn
+    DK = DK + k_start * stride_dkn
+    DV = DV + k_start * stride_dvn
     k = _load_rows(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn
                    + offs_d[None, :] * stride_kd, offs_n, seq_k, offs_d, HEAD_DIM, True, PAD_D)
     v = _load_rows(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn
@@ -133,9 +152,11 @@ def _attn_bwd_dkdv_kernel(
     # Sum over the GQA group in a fixed order: deterministic, no atomics.
     for g in range(GQA):
         off_h = off_hk * GQA + g
-        Qh = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
-        DOh = DO + off_b * stride_dob + off_h * stride_doh + offs_d[None, :] * stride_dod
-        row = (off_b * heads_q + off_h) * seq_q
+        Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm \
+            + offs_d[None, :] * stride_qd
+        DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom \
+            + offs_d[None, :] * stride_dod
+        row = _lse_row(off_b, off_h, heads_q, rows_q, q_start, IS_VARLEN)
         dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSE + row, Delta + row, stride_qm,
                              stride_dom, offs_n, offs_d, lo, full_lo, seq_q, seq_k,
                              offset, left, right, qk_scale, cap_scale, cap_log2,
@@ -193,7 +214,7 @@ def _dq_inner(dq, q, do, lse2, delta, Kh, Vh, stride_kn, stride_vn, offs_m, offs
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ,
+    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -204,6 +225,7 @@ def _attn_bwd_dq_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N >= 16)  # tl.dot needs every dimension >= 16
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -212,15 +234,25 @@ def _attn_bwd_dq_kernel(
     off_b = (pid_bh // heads_q).to(tl.int64)
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hk = off_h // GQA
+    rows_q = seq_q
+    q_start, k_start, seq_q, seq_k = _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN)
+    row = _lse_row(off_b, off_h, heads_q, rows_q, q_start, IS_VARLEN)
+    if IS_VARLEN:
+        if pid_m * BLOCK_M >= seq_q:  # this tile lies past the end of its sequence
+            return
     offset = seq_k - seq_q
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    Q = Q + q_start * stride_qm
+    DO = DO + q_start * stride_dom
+    DQ = DQ + q_start * stride_dqm
+    K = K + k_start * stride_kn
+    V = V + k_start * stride_vn
     q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
                    + offs_d[None, :] * stride_qd, offs_m, seq_q, offs_d, HEAD_DIM, True, PAD_D)
     do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
                     + offs_d[None, :] * stride_dod, offs_m, seq_q, offs_d, HEAD_DIM, True, PAD_D)
-    row = pid_bh.to(tl.int64) * seq_q
     lse2 = tl.load(LSE + row + offs_m, mask=offs_m < seq_q, other=float("inf")) \
         * 1.4426950408889634  # natural-log LSE -> log2 domain (1/ln(2))
     delta = tl.load(Delta + row + offs_m, mask=offs_m < seq_q, other=0.0)
@@ -255,16 +287,17 @@ BWD_PARTS = ("pre", "dkdv", "dq")
 def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
               window: tuple[int, int], softcap: float, config: BwdConfig,
+              packed: Packed | None = None,
               ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
     """The backward as three launches, in order: ``[("pre", f), ("dkdv", f), ("dq", f)]``,
     and the (dq, dk, dv) buffers they fill. Each launch depends only on the config
     fields of its own part (``BwdConfig`` field metadata), so the tuner can time the
-    parts separately and recombine the best of each."""
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
+    parts separately and recombine the best of each. ``packed``: a varlen batch, as for
+    :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
+    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
     c = config
     block_d = padded_head_dim(d)
-    delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
     lse = lse.contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -272,27 +305,32 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     left, right, mask_left, mask_right = mask_params(causal, window)
     qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
     common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
-                  MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0)
+                  MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, IS_VARLEN=packed is not None)
+    cu = (q, q) if packed is None else (packed.cu_q, packed.cu_k)
+    # Tiles per sequence: the longest sequence's when packed.
+    tiles_q, tiles_k = (sq, sk) if packed is None else (max(packed.max_q, 1), max(packed.max_k, 1))
+
+    def st(*ts: torch.Tensor) -> list[int]:
+        return [s for t in ts for s in kernel_strides(t, packed)]
 
     def pre() -> None:
-        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
-            o, do, delta, *o.stride(), *do.stride(), hq, sq,
+        # delta has the LSE's rows: a packed batch is one "batch entry" of total_q rows.
+        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), hq * (b if packed is None else 1))](
+            o, do, delta, *st(o, do), hq, sq,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m,
         )
 
     def dkdv() -> None:
-        _attn_bwd_dkdv_kernel[(triton.cdiv(sk, c.dkdv_block_n), b * hk)](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        _attn_bwd_dkdv_kernel[(triton.cdiv(tiles_k, c.dkdv_block_n), b * hk)](
+            q, k, v, do, lse, delta, dk, dv, *cu, *st(q, k, v, do, dk, dv),
             hk, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
             BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
             **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
         )
 
     def dq_() -> None:
-        _attn_bwd_dq_kernel[(triton.cdiv(sq, c.dq_block_m), b * hq)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        _attn_bwd_dq_kernel[(triton.cdiv(tiles_q, c.dq_block_m), b * hq)](
+            q, k, v, do, lse, delta, dq, *cu, *st(q, k, v, do, dq),
             hq, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
             BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
             **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
@@ -304,10 +342,11 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
              window: tuple[int, int], softcap: float, config: BwdConfig,
+             packed: Packed | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) in the inputs' layouts."""
     grads, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
-                             window=window, softcap=softcap, config=config)
+                             window=window, softcap=softcap, config=config, packed=packed)
     for _, launch in steps:
         launch()
     return grads

@@ -5,13 +5,19 @@ streams the visible K/V tiles through on-chip online-softmax state (running max
 ``m``, running sum ``l``, fp32 accumulator). Scores live in the log2 domain so the
 exponentials are ``exp2``. The key loop is split into masked edge runs and an
 unmasked middle run (see ``_masking``). It writes O and the natural-log LSE.
+
+Packed (varlen) batches use the same kernel with ``IS_VARLEN``: q is (total_q, Hq, D),
+k and v (total_k, Hkv, D), and each program reads its sequence's start and length from
+the int32 prefix sums ``cu_seqlens_q`` / ``cu_seqlens_k`` (no padding, no host sync).
+The grid covers ``max_seqlen_q`` tiles per sequence; programs past their sequence's
+end exit at once. The LSE of a packed batch is (Hq, total_q).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -97,8 +103,32 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Kd, Vd, desc_b, desc_h, stride_kn, stride
 
 
 @triton.jit
+def _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, len_q, len_k) of sequence ``off_b``: dense, (0, 0, Sq, Sk); varlen,
+    read from the prefix sums."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b).to(tl.int64)
+        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        len_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+        len_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        return q_start, k_start, len_q, len_k
+    else:
+        return 0, 0, seq_q, seq_k
+
+
+@triton.jit
+def _lse_row(off_b, off_h, heads_q, rows_q, q_start, IS_VARLEN: tl.constexpr):
+    """Offset of row 0 of (sequence ``off_b``, query head ``off_h``) in the LSE / delta
+    buffers: (B, Hq, Sq) when dense, (Hq, total_q) when varlen."""
+    if IS_VARLEN:
+        return off_h * rows_q + q_start
+    else:
+        return (off_b * heads_q + off_h) * rows_q
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, Kd, Vd,
+    Q, K, V, O, LSE, Kd, Vd, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -108,25 +138,36 @@ def _attn_fwd_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
+    # Dense: q is (B, Hq, Sq, D) and seq_q / seq_k are Sq / Sk. Varlen: the batch strides
+    # are 0, seq_q / seq_k are the packed totals and the sequence comes from CU_Q / CU_K.
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)  # tl.dot needs every dimension >= 16
+    tl.static_assert(not (IS_VARLEN and USE_TMA))  # descriptors span whole (B, H, S, D) rows
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_q).to(tl.int64)
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hk = off_h // GQA
+    rows_q = seq_q
+    q_start, k_start, seq_q, seq_k = _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN)
+    lse_row = _lse_row(off_b, off_h, heads_q, rows_q, q_start, IS_VARLEN)
+    if IS_VARLEN:
+        if pid_m * BLOCK_M >= seq_q:  # this tile lies past the end of its sequence
+            return
     offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh \
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm \
         + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = _load_rows(q_ptrs, offs_m, seq_q, offs_d, HEAD_DIM, True, PAD_D)
-    Kh = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
-    Vh = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    Kh = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn \
+        + offs_d[None, :] * stride_kd
+    Vh = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn \
+        + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -156,8 +197,8 @@ def _attn_fwd_kernel(
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2)
     row_ok = offs_m < seq_q
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_ok)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh \
+    tl.store(LSE + lse_row + offs_m, lse, mask=row_ok)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om \
         + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     if PAD_D:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty),
@@ -188,49 +229,99 @@ def launch_options(num_warps: int, num_stages: int, maxnreg: int) -> dict[str, i
     return opts
 
 
+class Packed(NamedTuple):
+    """A packed (varlen) batch: int32 prefix sums of the query and key lengths (batch + 1
+    entries each) and the longest query and key sequence (they size the grid)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+
+def kernel_strides(t: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:
+    """(batch, head, row, dim) strides: a dense (B, H, S, D) tensor's own, or for a packed
+    (total, H, D) tensor batch stride 0 (the kernel adds the sequence start itself)."""
+    if packed is None:
+        return tuple(t.stride())
+    return (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def problem_dims(q: torch.Tensor, k: torch.Tensor, packed: Packed | None,
+                 ) -> tuple[int, int, int, int, int, int]:
+    """(batch, Hq, Hkv, rows_q, rows_k, D) as the kernels take them: rows are Sq / Sk when
+    dense, the packed totals when varlen."""
+    if packed is None:
+        b, hq, sq, d = q.shape
+        return b, hq, k.shape[1], sq, k.shape[2], d
+    return packed.batch, q.shape[1], k.shape[1], q.shape[0], k.shape[0], q.shape[2]
+
+
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
              sm_scale: float, window: tuple[int, int], softcap: float,
-             config: FwdConfig) -> tuple[torch.Tensor, torch.Tensor]:
+             config: FwdConfig, packed: Packed | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (``attention.py``).
 
-    Returns ``o`` (q's shape, dtype and memory layout) and ``lse`` ((B, Hq, Sq) fp32, natural log).
+    Returns ``o`` (q's shape, dtype and memory layout) and ``lse`` ((B, Hq, Sq) fp32, natural
+    log). With ``packed``, q is (total_q, Hq, D), k and v (total_k, Hkv, D), and the LSE is
+    (Hq, total_q).
     """
     if config.variant == HOPPER:
-        from flashtune.kernels import attn_fwd_hopper as hopper
-
-        reason = hopper.tma_describable(q, k, v)
+        reason = "packed (varlen) batches" if packed is not None else ""
         if not reason:
-            return hopper.attn_fwd_hopper(
-                q, k, v, sm_scale=sm_scale, mask=mask_params(causal, window),
-                scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
-        # Strides TMA cannot describe: the portable kernel's default serves this call.
-        _warn_portable_once(reason)
-        from flashtune.kernels.config import default_portable_fwd
-        from flashtune.problem import Problem
+            from flashtune.kernels import attn_fwd_hopper as hopper
 
-        config = default_portable_fwd(Problem.from_tensors(q, k, causal=causal,
-                                                           window_size=window, softcap=softcap))
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
+            reason = hopper.tma_describable(q, k, v)
+            if not reason:
+                return hopper.attn_fwd_hopper(
+                    q, k, v, sm_scale=sm_scale, mask=mask_params(causal, window),
+                    scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
+        # What the Hopper kernel cannot take, the portable kernel's default serves.
+        _warn_portable_once(reason)
+        config = _portable_fallback(q, k, causal, window, softcap, packed)
+    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
     o = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, hq, sq) if packed is None else (hq, sq), device=q.device,
+                      dtype=torch.float32)
     left, right, mask_left, mask_right = mask_params(causal, window)
     qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
     c = config
-    use_tma = bool(c.use_tma) and tma_ok(k, v)
+    use_tma = bool(c.use_tma) and packed is None and tma_ok(k, v)
     kd, vd = (kv_descriptors(k, v, c.block_n) if use_tma else (k, v))
-    grid = (triton.cdiv(sq, c.block_m), b * hq)
+    cu_q, cu_k = (q, q) if packed is None else (packed.cu_q, packed.cu_k)
+    grid = (triton.cdiv(max(sq if packed is None else packed.max_q, 1), c.block_m), b * hq)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, kd, vd,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        q, k, v, o, lse, kd, vd, cu_q, cu_k,
+        *kernel_strides(q, packed), *kernel_strides(k, packed), *kernel_strides(v, packed),
+        *kernel_strides(o, packed),
         hq, sq, sk, left, right,
         qk_scale, cap_scale, cap_log2,
         GQA=hq // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, USE_TMA=use_tma,
+        IS_VARLEN=packed is not None,
         **launch_options(c.num_warps, c.num_stages, c.maxnreg),
     )
     return o, lse
+
+
+def _portable_fallback(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+                       softcap: float, packed: Packed | None) -> FwdConfig:
+    from flashtune._env import dtype_name
+    from flashtune.kernels.config import default_portable_fwd
+    from flashtune.problem import Problem
+
+    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+    if packed is not None:
+        sq, sk = max(packed.max_q, 1), max(packed.max_k, 1)
+    return default_portable_fwd(Problem(batch=b, heads_q=hq, heads_kv=hk, seqlen_q=sq,
+                                        seqlen_k=sk, head_dim=d, dtype=dtype_name(q.dtype),
+                                        causal=causal, window=window, softcap=softcap))
 
 
 @functools.cache

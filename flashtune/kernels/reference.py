@@ -156,6 +156,55 @@ def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     return errs, terrs
 
 
+def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) of each sequence of a packed batch (host copies)."""
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    return [(qs[i], qs[i + 1], ks[i], ks[i + 1]) for i in range(len(qs) - 1)]
+
+
+def _seq(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    # Rows [a, b) of a packed (total, H, D) tensor as a (1, H, b - a, D) view.
+    return t[a:b].transpose(0, 1).unsqueeze(0)
+
+
+def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_ref` of a packed batch, one sequence at a time: q (total_q, Hq, D),
+    k and v (total_k, Hkv, D). Returns out (total_q, Hq, D) and lse (Hq, total_q)."""
+    outs, lses = [], []
+    for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, lse = attention_ref(_seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb), **kw)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def varlen_reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            do: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *,
+                            causal: bool, softmax_scale: float | None,
+                            window_size: tuple[int, int], softcap: float,
+                            ) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`reference_errors` for a packed batch (lse is (Hq, total_q)): each sequence is
+    checked on its own against the fp32 reference, and each error is the max over them."""
+    kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
+                              window_size=window_size, softcap=softcap)
+    errs: dict[str, float] = {}
+    terrs: dict[str, float] = {}
+    for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+        g = None if grads is None else (_seq(grads[0], qa, qb), _seq(grads[1], ka, kb),
+                                        _seq(grads[2], ka, kb))
+        e, te = _errors_one(_seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb),
+                            None if do is None else _seq(do, qa, qb), _seq(out, qa, qb),
+                            lse[None, :, qa:qb], g, kw)
+        for name in e:
+            errs[name] = max(errs.get(name, 0.0), e[name])
+            terrs[name] = max(terrs.get(name, 0.0), te[name])
+    return errs, terrs
+
+
 def _errors_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
                 out: torch.Tensor, lse: torch.Tensor,
                 grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,

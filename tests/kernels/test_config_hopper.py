@@ -48,6 +48,7 @@ def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
 
 @pytest.mark.parametrize("change, problem_change, words", [
     ({}, {"head_dim": 96}, "head_dim 96"),
+    ({}, {"total_q": 8000, "total_k": 8000}, "packed"),
     ({}, {"head_dim": 256}, "head_dim 256"),
     ({"block_m": 256}, {}, "block_m=256"),
     ({"block_n": 32}, {}, "block_n=32"),
