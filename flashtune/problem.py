@@ -33,6 +33,39 @@ def default_scale(head_dim: int) -> float:
     """The softmax scale when the caller gives none: 1/sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)
 
+# A softcap at or above this is no softcap (its limit). The kernels take cap * log2(e) as an
+# fp32 scalar (finite below 3.4e38); with |q.k| <= 65504**2 * 256 ~ 1.1e12 and a softmax scale
+# <= 1e20, |s / cap| <= 1.1e-4 here, where cap * tanh(s / cap) is s to 4e-9 relative.
+SOFTCAP_LIMIT = 1e36
+# ... and so is a softcap this many times the softmax scale: the kernels multiply q.k by
+# scale / cap in fp32, which must stay a normal number (>= 1.2e-38) for scores to survive.
+SOFTCAP_SCALE_RATIO = 2.0**64
+
+
+def effective_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """``window`` with every bound that reaches past the sequence replaced by -1 (unbounded).
+
+    With ``offset = seqlen_k - seqlen_q`` (bottom-right alignment), query ``i`` sees keys
+    ``[i + offset - left, i + offset + right]``: a ``left >= seqlen_k - 1`` or a
+    ``right >= seqlen_q - 1`` hides no key from any query. Clamping keeps sentinels such as
+    ``2**31 - 1`` out of the kernels' int32 index arithmetic, and gives the problem key the
+    mask the call actually has.
+    """
+    left, right = (int(w) for w in window)
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    return left, right
+
+
+def effective_softcap(softcap: float, scale: float | None = None) -> float:
+    """``softcap``, or 0.0 (off: its limit) at or above :data:`SOFTCAP_LIMIT`, or, given the
+    softmax ``scale``, at or above ``scale * SOFTCAP_SCALE_RATIO``. Infinity is off too."""
+    if softcap >= SOFTCAP_LIMIT or (scale is not None and softcap >= scale * SOFTCAP_SCALE_RATIO):
+        return 0.0
+    return float(softcap)
+
 
 def bucket(n: int) -> int:
     """Round ``n`` up to the next power of two (1 for n <= 1), capped at MAX_BUCKET."""
@@ -120,9 +153,10 @@ class Problem:
         w = tuple(int(x) for x in self.window)
         if len(w) != 2 or any(x < -1 for x in w):
             raise ValueError(f"window must be (left, right) with each >= -1, got {self.window!r}")
-        object.__setattr__(self, "window", w)
-        if not self.softcap >= 0.0 or math.isinf(self.softcap):
-            raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
+        object.__setattr__(self, "window", effective_window(w, self.seqlen_q, self.seqlen_k))
+        if not self.softcap >= 0.0:
+            raise ValueError(f"softcap must be a float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", effective_softcap(self.softcap))
         for name in ("total_q", "total_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,11 +26,24 @@ from flashtune.kernels.config import (
     check_fwd,
     default_bwd,
     default_fwd,
+    validate_config,
 )
-from flashtune.problem import DTYPES, HEAD_DIMS, Problem, default_scale, head_dim_ok
+from flashtune.problem import (
+    DTYPES,
+    HEAD_DIMS,
+    SOFTCAP_LIMIT,
+    Problem,
+    default_scale,
+    effective_softcap,
+    effective_window,
+    head_dim_ok,
+)
 
 _DTYPES = tuple(torch_dtype(name) for name in DTYPES)  # fp16, bf16
 _INTERPRET = interpreting()
+# The kernels scale q.k in fp32: |q.k| stays below 65504**2 * 256 ~ 1.1e12 for fp16 inputs,
+# so a scale up to 1e20 keeps every score finite (fp32 ends at 3.4e38).
+_MAX_SCALE = 1e20
 
 Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
                     "FwdConfig | BwdConfig"]
@@ -98,12 +110,14 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
     if b < 1 or sq < 1 or sk < 1:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got batch={b}, "
                          f"seqlen_q={sq}, seqlen_k={sk}")
-    return validate_options(d, causal, softmax_scale, window_size, softcap)
+    return validate_options(d, causal, softmax_scale, window_size, softcap, sq, sk)
 
 
 def validate_options(d: int, causal: Any, softmax_scale: Any, window_size: Any,
-                     softcap: Any) -> tuple[float, tuple[int, int], float]:
-    """The mask and score options of every entry point; (scale, window, softcap) normalised."""
+                     softcap: Any, sq: int, sk: int) -> tuple[float, tuple[int, int], float]:
+    """The mask and score options of every entry point; (scale, window, softcap) normalised.
+    ``sq`` and ``sk`` are the (longest) query and key lengths: window bounds past them mean
+    unbounded."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is None:
@@ -112,8 +126,9 @@ def validate_options(d: int, causal: Any, softmax_scale: Any, window_size: Any,
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
         scale = float(softmax_scale)
-        if not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+        if not (0 < scale <= _MAX_SCALE):
+            raise ValueError(f"softmax_scale must be finite and > 0 (at most {_MAX_SCALE:g}), "
+                             f"got {softmax_scale!r}")
     if (not isinstance(window_size, Sequence) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
@@ -123,9 +138,12 @@ def validate_options(d: int, causal: Any, softmax_scale: Any, window_size: Any,
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float, got {softcap!r}")
     cap = float(softcap)
-    if not (cap >= 0 and math.isfinite(cap)):
-        raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap!r}")
-    return scale, window, cap
+    if not cap >= 0:
+        raise ValueError(f"softcap must be a number >= 0 (0 disables it; {SOFTCAP_LIMIT:g} or "
+                         f"more, inf included, is its limit: no softcap), got {softcap!r}")
+    # A bound past the sequence is unbounded, a huge cap is no cap: what the call means,
+    # in a form the kernels' int32 / fp32 arithmetic holds exactly.
+    return scale, effective_window(window, sq, sk), effective_softcap(cap, scale)
 
 
 def validate_deterministic(deterministic: Any) -> None:
@@ -313,6 +331,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     validate_deterministic(deterministic)
     fwd_cfg, bwd_cfg = split_config(config)
     if fwd_cfg is not None or bwd_cfg is not None:
+        for cfg in (fwd_cfg, bwd_cfg):
+            if cfg is not None:
+                validate_config(cfg)
         _check_forced(fwd_cfg, bwd_cfg, tuple(q.shape), tuple(k.shape), q.dtype, causal, window,
                       cap)
     fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)

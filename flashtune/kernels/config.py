@@ -144,6 +144,15 @@ def variant_of(params: Any) -> int | None:
     return getattr(params, "variant", None)
 
 
+def validate_config(cfg: FwdConfig | BwdConfig) -> None:
+    """Raise ValueError naming the first field of ``cfg`` whose value is not one of its
+    choices (the exact type too: ``64.0`` and ``True`` are not ``64`` and ``1``)."""
+    for f in dataclasses.fields(cfg):
+        val, choices = getattr(cfg, f.name), f.metadata["choices"]
+        if not any(type(val) is type(c) and val == c for c in choices):
+            raise ValueError(f"{type(cfg).__name__}.{f.name} = {val!r} is not one of {choices}")
+
+
 def config_to_dict(cfg: FwdConfig | BwdConfig) -> dict[str, int]:
     return dataclasses.asdict(cfg)
 

@@ -219,7 +219,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale, window, cap = validate_options(q.shape[2], causal, softmax_scale, window_size,
-                                          softcap)
+                                          softcap, max_seqlen_q, max_seqlen_k)
     validate_deterministic(deterministic)
     fwd_cfg, bwd_cfg = split_config(config)
     if fwd_cfg is not None or bwd_cfg is not None:
