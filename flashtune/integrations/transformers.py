@@ -1,26 +1,39 @@
-"""``attn_implementation="flashtune"`` for Hugging Face transformers models.
+"""``attn_implementation="tuned_attention"`` for Hugging Face transformers models.
 
 ::
 
     import flashtune.integrations.transformers as ft_hf
     ft_hf.register()
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flashtune")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ft_hf.NAME)
 
 Registers :func:`attention_forward` with transformers' ``AttentionInterface`` and, where
 the installed transformers has one, the FA2-style mask with ``AttentionMaskInterface``
-(no mask unless there is padding). Llama-family models then run flashtune's kernels
-with the tuned config: GQA without repeating K/V, causal, the model's sliding window
-(``sliding_window=W`` sees W keys including itself: ``window_size=(W-1, 0)``) and
-logit softcapping. Calls the kernels cannot serve exactly (padding masks, packed
-sequences, attention dropout, fp32 models, unsupported head dims) run through
-PyTorch's SDPA instead, with the same semantics, and say so once in the log.
+(a 2-D padding mask, or none). The name has no "flash" in it on purpose: transformers
+treats every implementation whose name contains "flash" as a flash-attn package to
+import when a model is built, and there is nothing to import for flashtune. No
+transformers function is patched.
+
+Llama-family models then run flashtune's kernels with the tuned config: GQA without
+repeating K/V, causal, the model's sliding window (``sliding_window=W`` sees W keys
+including itself: ``window_size=(W-1, 0)``) and logit softcapping, on
+
+- plain batches: :func:`flashtune.flash_attention`;
+- padding-free packed batches (``DataCollatorWithFlattening``: ``cu_seq_lens_*`` /
+  ``max_length_*`` when it returns flash-attn kwargs, else ``position_ids`` that restart
+  at 0 in a batch of one row): :func:`flashtune.flash_attn_varlen_func`;
+- padded batches (a 2-D padding mask): unpadded, run through the varlen kernels, and
+  padded back (padding rows get zeros).
+
+Calls the kernels cannot serve (attention dropout, fp32 models, unsupported head dims, a
+4-D mask) run through PyTorch's SDPA with the same semantics, with one WARNING per
+reason per process.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,13 +43,17 @@ from flashtune.problem import default_scale, head_dim_ok
 
 log = logging.getLogger(__name__)
 
-NAME = "flashtune"
+NAME = "tuned_attention"
 _fallback_noted: set[str] = set()
-_registered: set[str] = set()
+# How often each path ran (tests read it to tell the kernels from the fallback).
+calls = {"dense": 0, "packed": 0, "padded": 0, "fallback": 0}
 
 
 def register(name: str = NAME) -> None:
-    """Make ``attn_implementation=name`` (default "flashtune") available to transformers."""
+    """Make ``attn_implementation=name`` (default :data:`NAME`) available to transformers."""
+    if "flash" in name:
+        raise ValueError(f"name {name!r} contains 'flash': transformers would try to import a "
+                         "flash-attn package for it when a model is built; choose another name")
     import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
 
     try:
@@ -47,42 +64,18 @@ def register(name: str = NAME) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         ALL_ATTENTION_FUNCTIONS[name] = attention_forward
-    _registered.add(name)
-    _skip_flash_attn_import()
     try:
         from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-    except ImportError:  # older transformers build a 4D mask; attention_forward handles it
+    except ImportError:  # older transformers build a 4D mask; attention_forward falls back
         return
     AttentionMaskInterface.register(name, flash_attention_mask)
 
 
-def _skip_flash_attn_import() -> None:
-    """transformers 5 treats every implementation whose name contains "flash" as a
-    flash-attn kernel to import (from the flash-attn package or the kernels hub) when a
-    model is built; for our names there is nothing to import, so skip that step."""
-    for modname in ("transformers.modeling_flash_attention_utils", "transformers.modeling_utils"):
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError:
-            continue
-        orig = getattr(mod, "lazy_import_flash_attention", None)
-        if orig is None or getattr(orig, "_flashtune_skip", False):
-            continue
-
-        def lazy_import(implementation: Any, *args: Any, _orig: Any = orig, **kw: Any) -> Any:
-            if implementation in _registered:
-                return None
-            return _orig(implementation, *args, **kw)
-
-        lazy_import._flashtune_skip = True  # type: ignore[attr-defined]
-        functools.update_wrapper(lazy_import, orig)
-        mod.lazy_import_flash_attention = lazy_import  # type: ignore[attr-defined]
-
-
 def _note_fallback(why: str) -> None:
+    calls["fallback"] += 1
     if why not in _fallback_noted and not torch.compiler.is_compiling():
         _fallback_noted.add(why)
-        log.info("flashtune: attention through SDPA instead of flashtune: %s", why)
+        log.warning("flashtune: attention through SDPA instead of flashtune: %s", why)
 
 
 def _kernel_can_run(q: torch.Tensor) -> str | None:
@@ -99,13 +92,73 @@ def _kernel_can_run(q: torch.Tensor) -> str | None:
     return None
 
 
-def _is_packed(position_ids: Any, batch: int) -> bool:
-    """Several sequences packed in one row (transformers' FA2 rule: batch 1, positions
-    that restart); never checked while compiling (it would read the tensor)."""
-    if position_ids is None or batch != 1 or torch.compiler.is_compiling():
-        return False
+Seqs = tuple[torch.Tensor, torch.Tensor, int, int]  # cu_seqlens_q, cu_seqlens_k, max_q, max_k
+_memo: dict[str, tuple[Any, Any]] = {}
+
+
+def _once_per_tensor(kind: str, t: torch.Tensor, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``fn(t)``, remembered for the last tensor object of this kind: every layer of a model
+    gets the same ``position_ids`` / mask, and reading them syncs with the device."""
+    hit = _memo.get(kind)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    out = fn(t)
+    _memo[kind] = (weakref.ref(t), out)
+    return out
+
+
+def _seqs_from_positions(position_ids: torch.Tensor) -> Seqs | None:
+    """The sequences of one packed row (a new one wherever the positions do not go up by
+    one, transformers' rule), or None when the row is a single sequence."""
     pos = position_ids.reshape(-1)
-    return pos.numel() > 1 and bool((pos[1:] != pos[:-1] + 1).any())
+    if pos.numel() < 2:
+        return None
+    cuts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
+    if cuts.numel() == 0:
+        return None
+    bounds = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), pos.numel())])
+    bounds = bounds.to(torch.int32)
+    longest = int(bounds.diff().max())
+    return bounds, bounds, longest, longest
+
+
+def _packed_seqs(kwargs: dict[str, Any], batch: int, same_length: bool) -> Seqs | None:
+    """A packed batch's sequences, from flash-attn kwargs or restarting ``position_ids``."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if max_q is None or max_k is None:
+            max_q, max_k = (_once_per_tensor(f"max{i}", t, lambda c: int(c.diff().max()))
+                            for i, t in ((0, cu_q), (1, cu_k)))
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    pos = kwargs.get("position_ids")
+    if pos is None or batch != 1 or not same_length or torch.compiler.is_compiling():
+        return None  # (compiled packed training: pass the collator's flash-attn kwargs)
+    return _once_per_tensor("positions", pos, _seqs_from_positions)  # type: ignore[no-any-return]
+
+
+def _unpad_index(mask: torch.Tensor, sq: int) -> tuple[torch.Tensor, torch.Tensor, Seqs]:
+    """Rows to keep of the flattened (B * Sq) queries and (B * Sk) keys, and the sequences
+    they form, for a 2-D keep-mask (B, Sk): the queries are the last Sq positions."""
+    keep_k = mask.bool()
+    keep_q = keep_k[:, -sq:]
+
+    def cu(keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+        lens = keep.sum(1, dtype=torch.int32)
+        return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)), int(lens.max())
+
+    (cu_q, max_q), (cu_k, max_k) = cu(keep_q), cu(keep_k)
+    return (torch.nonzero(keep_q.reshape(-1)).reshape(-1),
+            torch.nonzero(keep_k.reshape(-1)).reshape(-1), (cu_q, cu_k, max_q, max_k))
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Seqs, **kw: Any,
+            ) -> torch.Tensor:
+    from flashtune.kernels.varlen import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, *seqs, **kw)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -123,23 +176,41 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None and sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     cap = float(softcap) if softcap else 0.0
+    kw: dict[str, Any] = dict(causal=causal, softmax_scale=scaling, window_size=window,
+                              softcap=cap)
 
     why = _kernel_can_run(query)
-    if why is None and attention_mask is not None:
-        why = "a padding mask"
     if why is None and dropout > 0.0:
         why = "attention dropout"
-    if why is None and ("cu_seq_lens_q" in kwargs or _is_packed(kwargs.get("position_ids"),
-                                                                query.shape[0])):
-        why = "packed sequences"
-    if why is None:
-        from flashtune.kernels.attention import flash_attention
-
-        out = flash_attention(query, key, value, causal=causal, softmax_scale=scaling,
-                              window_size=window, softcap=cap)
-    else:
+    if why is None and attention_mask is not None and attention_mask.dim() != 2:
+        why = f"a {attention_mask.dim()}-D attention mask (flashtune takes a 2-D padding mask)"
+    if why is not None:
         _note_fallback(why)
         out = _sdpa(query, key, value, attention_mask, scaling, dropout, causal, window, cap)
+        return out.transpose(1, 2).contiguous(), None
+
+    b, hq, sq, d = query.shape
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) views
+    if attention_mask is not None:  # padded batch: unpad, varlen, pad back
+        calls["padded"] += 1
+        iq, ik, seqs = _once_per_tensor("mask", attention_mask,
+                                        lambda m: _unpad_index(m, sq))
+        flat_k = (t.reshape(-1, *t.shape[2:]) for t in (k, v))
+        ku, vu = (t.index_select(0, ik) for t in flat_k)
+        qu = q.reshape(-1, hq, d).index_select(0, iq)
+        out_u = _varlen(qu, ku, vu, seqs, **kw)
+        out = out_u.new_zeros(b * sq, hq, d).index_copy(0, iq, out_u)
+        return out.view(b, sq, hq, d), None
+    seqs = _packed_seqs(kwargs, b, sq == key.shape[2])
+    if seqs is not None:  # padding-free packed batch: one row of concatenated sequences
+        calls["packed"] += 1
+        out = _varlen(q.reshape(-1, hq, d), k.reshape(-1, *k.shape[2:]),
+                      v.reshape(-1, *v.shape[2:]), seqs, **kw)
+        return out.view(b, sq, hq, d), None
+    from flashtune.kernels.attention import flash_attention
+
+    calls["dense"] += 1
+    out = flash_attention(query, key, value, **kw)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), None
 
