@@ -117,6 +117,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 def _op_args(q: torch.Tensor, k: torch.Tensor, dropout_p: float, is_causal: bool,
              scale: float | None) -> tuple[bool, float, tuple[int, int]]:
+    if q.dtype not in (torch.float16, torch.bfloat16):  # torch's CPU flash kernel takes fp32
+        raise RuntimeError(f"flashtune flash attention: dtype {q.dtype} is not supported")
     if dropout_p > 0.0:
         raise RuntimeError(f"flashtune flash attention: dropout_p={dropout_p} is not supported")
     if is_causal and q.shape[2] != k.shape[2]:

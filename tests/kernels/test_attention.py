@@ -215,3 +215,47 @@ def test_random_feasible_configs_across_standard_matrix(direction: str, seed: in
         else:
             cfg = random_config(BwdConfig, p, rng, max_block=256, max_stages=5)
             check_case(p, "cuda", bwd=cfg, backward=True, gen=gen)
+
+
+# ----------------------------------------------------------------------------- flash-attn layout
+
+
+def test_flash_attn_func_takes_bshd_and_equals_the_dense_path(device: str, seed: int) -> None:
+    from flashtune.kernels.attention import flash_attn_func
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 37, 4, 32, generator=g).to(device, torch.bfloat16)  # (B, S, H, D)
+    k = torch.randn(2, 45, 2, 32, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(2, 45, 2, 32, generator=g).to(device, torch.bfloat16)
+    do = torch.randn(2, 37, 4, 32, generator=g).to(device, torch.bfloat16)
+    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ys = [t.detach().transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*xs, causal=True, window_size=(9, 2), softcap=2.0)
+    ref = flash_attention(*ys, causal=True, window_size=(9, 2), softcap=2.0)
+    assert out.shape == q.shape and torch.equal(out, ref.transpose(1, 2))
+    for a, b in zip(torch.autograd.grad(out, xs, do),
+                    torch.autograd.grad(ref, ys, do.transpose(1, 2)), strict=True):
+        assert torch.equal(a, b.transpose(1, 2))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"dropout_p": 0.1}, r"dropout_p=0.1: flashtune has no attention dropout"),
+    ({"alibi_slopes": torch.ones(2)}, r"alibi_slopes is not supported"),
+    ({"return_attn_probs": True}, r"return_attn_probs=True is not supported"),
+])
+def test_flash_attn_func_unsupported_arguments_name_themselves(kw, match, device) -> None:  # type: ignore
+    from flashtune.kernels.attention import flash_attn_func
+
+    q = _t(1, 8, 2, 32, device=device)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_func(q, q, q, **kw)
+    with pytest.raises(ValueError, match=r"q must be 4-D \(batch, seqlen, heads, head_dim\)"):
+        flash_attn_func(q[0], q, q)
+
+
+def test_deterministic_is_accepted_and_checked(device: str) -> None:
+    q = _t(1, 2, 8, 32, device=device)
+    assert torch.equal(flash_attention(q, q, q, deterministic=False),
+                       flash_attention(q, q, q, deterministic=True))
+    with pytest.raises(TypeError, match=r"deterministic must be a bool, got 1"):
+        flash_attention(q, q, q, deterministic=1)  # type: ignore[arg-type]

@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
+import flashtune
 from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import Packed, attn_fwd
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd, default_fwd
 from flashtune.kernels.reference import varlen_reference_errors, within_rule
+from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem, default_scale
 
 from .helpers import DTYPES, random_config
@@ -123,3 +125,101 @@ def test_varlen_equals_dense_per_sequence_and_is_deterministic(device: str, seed
                                       (dv, first[4], ck[i], ck[i + 1])):
             assert torch.equal(dense[0].transpose(0, 1), packed_t[a:b])
         assert torch.equal(lse[0], first[1][:, cq[i]:cq[i + 1]])
+
+
+# ----------------------------------------------------------------------------- public function
+
+
+def _public_inputs(device: str, seed: int, lens_q: list[int], lens_k: list[int], hq: int = 4,
+                   hk: int = 2, d: int = 32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = make_packed(lens_q, lens_k, hq, hk, d, "bf16", device, gen)
+    return q, k, v, do, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+
+
+def test_flash_attn_varlen_func_autograd_matches_reference(device: str, seed: int) -> None:
+    lens_q, lens_k = [9, 0, 1, 23], [12, 3, 1, 20]
+    q, k, v, do, cu_q, cu_k = _public_inputs(device, seed, lens_q, lens_k)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    kw = dict(causal=True, window_size=(7, -1), softcap=3.0)
+    out, lse = flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k),
+                                      return_lse=True, deterministic=True, **kw)
+    grads = torch.autograd.grad(out, (qg, kg, vg), do)
+    errs, terrs = varlen_reference_errors(q, k, v, cu_q, cu_k, do, out, lse, grads,
+                                          softmax_scale=None, **kw)
+    ok, _, detail = within_rule(errs, terrs)
+    assert ok, detail
+
+
+def test_flash_attn_varlen_func_is_served_by_the_dispatcher(device: str, seed: int, tmp_path,
+                                                            monkeypatch) -> None:
+    from flashtune import dispatch
+    from tests.dispatch.test_dispatch import fresh_db
+
+    fixture = fresh_db(tmp_path, monkeypatch)
+    next(fixture)
+    q, k, v, _, cu_q, cu_k = _public_inputs(device, seed, [5, 7], [5, 7])
+    for _ in range(2):  # the second call is served from the dispatcher's memory
+        flashtune.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 7, causal=True)
+    assert dispatch.stats()["first_sights"] == 1
+    assert dispatch.stats()["misses"] == 1
+    next(fixture, None)
+
+
+def test_flash_attn_varlen_func_torch_compile_fullgraph(device: str, seed: int) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the GPU suite compiles with inductor")
+    lens = [6, 1, 13]
+    q, k, v, do, cu_q, cu_k = _public_inputs(device, seed, lens, lens)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 13, causal=True) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ys = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    oc, oe = compiled(*xs), f(*ys)
+    assert torch.equal(oc, oe)
+    for a, b in zip(torch.autograd.grad(oc, xs, do), torch.autograd.grad(oe, ys, do),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def _bad(device: str, **over: object) -> dict[str, object]:
+    q = torch.randn(10, 4, 32).to(device, torch.float16)
+    k = torch.randn(12, 2, 32).to(device, torch.float16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    args: dict[str, object] = dict(q=q, k=k, v=k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                   max_seqlen_q=6, max_seqlen_k=7)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (lambda d: {"q": torch.randn(1, 10, 4, 32).to(d, torch.float16)}, ValueError,
+     r"q must be 3-D \(total_tokens, heads, head_dim\).*\(1, 10, 4, 32\)"),
+    (lambda d: {"cu_seqlens_q": torch.tensor([0, 4, 10], device=d)}, TypeError,
+     r"cu_seqlens_q must be a 1-D torch.int32 tensor.*torch.int64"),
+    (lambda d: {"cu_seqlens_k": torch.tensor([0, 12], dtype=torch.int32, device=d)},
+     ValueError, r"cu_seqlens_q and cu_seqlens_k must have one length.*3 and 2"),
+    (lambda d: {"max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be an int >= 0, got -1"),
+    (lambda d: {"max_seqlen_k": 7.0}, ValueError, r"max_seqlen_k must be an int"),
+    (lambda d: {"q": torch.randn(10, 3, 32).to(d, torch.float16)}, ValueError,
+     r"q heads = 3 must be a multiple of k/v heads = 2"),
+    (lambda d: {"q": torch.randn(10, 4, 32).to(d)}, TypeError,
+     r"q.dtype must be torch.float16 or torch.bfloat16, got torch.float32"),
+    (lambda d: {"causal": 1}, TypeError, r"causal must be a bool, got 1"),
+    (lambda d: {"deterministic": "yes"}, TypeError, r"deterministic must be a bool"),
+])
+def test_flash_attn_varlen_func_bad_arguments(over, exc, match, device: str) -> None:  # type: ignore
+    with pytest.raises(exc, match=match):
+        flash_attn_varlen_func(**_bad(device, **over(device)))  # type: ignore[arg-type]
+
+
+def test_flash_attn_varlen_func_rejects_infeasible_forced_config(device: str) -> None:
+    from flashtune.exceptions import InfeasibleConfigError
+
+    with pytest.raises(InfeasibleConfigError, match="warps"):
+        flash_attn_varlen_func(**_bad(device), config=BwdConfig(dkdv_block_n=16,  # type: ignore
+                                                                 dkdv_warps=16))
