@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -92,6 +93,34 @@ def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
     assert ok, f"{p} fwd={fwd} bwd={bwd} layout={layout}: {detail} (all: {errs})"
     assert all(math.isfinite(e) for e in errs.values())
     return errs
+
+
+def check_graph_replay(step: Callable[[], tuple[torch.Tensor, ...]],
+                       inputs: tuple[torch.Tensor, ...], gen: torch.Generator) -> None:
+    """Capture ``step`` in a CUDA graph, copy fresh values into ``inputs`` and replay: the
+    replay must equal an eager step on the new values, and differ from the first outputs."""
+    # Everything before capture runs on a side stream, as CUDA-graph capture requires (the
+    # leaves' gradient-accumulator nodes are bound to the stream of their first use).
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ref = [t.clone() for t in step()]
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    # New inputs, copied into the captured buffers: replay must track them.
+    for t in inputs:
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=gen).to(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b in zip(static, fresh, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(static[0], ref[0])
 
 
 def case_id(c: tuple) -> str:

@@ -17,7 +17,7 @@ from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd, default_
 from flashtune.problem import Problem
 from flashtune.timing import standard_matrix
 
-from .helpers import check_case, make_qkv, random_config
+from .helpers import check_case, check_graph_replay, make_qkv, random_config
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.float16, device: str = "cpu") -> torch.Tensor:
@@ -172,28 +172,7 @@ def test_cuda_graph_capture_replay_fwd_bwd(seed: int) -> None:
         o = flash_attention(q, k, v, causal=True, config=cfg)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    # Everything before capture runs on a side stream, as CUDA-graph capture requires (the
-    # leaves' gradient-accumulator nodes are bound to the stream of their first use).
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ref = [t.clone() for t in step()]
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    # New inputs, copied into the captured buffers: replay must track them.
-    for t in (q, k, v):
-        with torch.no_grad():
-            t.copy_(torch.randn(t.shape, generator=g).to(t))
-    graph.replay()
-    torch.cuda.synchronize()
-    fresh = step()
-    for a, b in zip(static, fresh, strict=True):
-        assert torch.equal(a, b)
-    assert not torch.equal(static[0], ref[0])
+    check_graph_replay(step, (q, k, v), g)
 
 
 @pytest.mark.gpu
