@@ -195,18 +195,40 @@ class Problem:
 
     def label(self) -> str:
         """A one-line label for people: shape, dtype and mask, e.g. ``2x8/2x1000x128 bf16
-        causal win[128, 0]``."""
+        causal win[128, 0]``; a packed batch adds its tokens (``packed 65536 tok``)."""
+        tokens = str(self.total_q) if self.total_q == self.total_k \
+            else f"{self.total_q}/{self.total_k}"
         extra = (" causal" if self.causal else "") \
             + (f" win{list(self.window)}" if self.has_window else "") \
-            + (f" cap{self.softcap:g}" if self.softcap else "")
+            + (f" cap{self.softcap:g}" if self.softcap else "") \
+            + (f" packed {tokens} tok" if self.packed else "")
         return f"{self.dims()} {self.dtype}{extra}"
 
     def flops(self, direction: str = "fwd") -> float:
-        """House protocol: fwd = 4*B*Hq*Sq*Sk*D, halved for causal when Sq == Sk; bwd = 2.5x."""
-        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
-        if self.causal and self.seqlen_q == self.seqlen_k:
-            f /= 2
+        """House protocol: fwd = 4*B*Hq*Sq*Sk*D, halved for causal when Sq == Sk; bwd = 2.5x.
+        A packed batch counts each sequence of :meth:`packed_lengths` on its own."""
+        if self.packed:
+            f = sum(4.0 * self.heads_q * a * b * self.head_dim / (2 if self.causal and a == b
+                                                                 else 1)
+                    for a, b in zip(*self.packed_lengths(), strict=True))
+        else:
+            f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+            if self.causal and self.seqlen_q == self.seqlen_k:
+                f /= 2
         return f * (2.5 if direction == "bwd" else 1.0)
+
+    def packed_lengths(self) -> tuple[list[int], list[int]]:
+        """The (query, key) lengths of a representative packed batch for this problem, for
+        tuning and benchmarks: one sequence as long as ``seqlen_q`` / ``seqlen_k``, the other
+        tokens spread evenly over the other ``batch - 1`` sequences (none longer than the
+        longest; with Sq == Sk and equal totals the two lists are equal)."""
+        def spread(longest: int, total: int) -> list[int]:
+            first = min(longest, total)
+            rest, n = total - first, self.batch - 1
+            return [first] + [min(longest, rest // n + (i < rest % n)) for i in range(n)] \
+                if n else [first]
+
+        return spread(self.seqlen_q, self.total_q), spread(self.seqlen_k, self.total_k)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

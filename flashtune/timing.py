@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -42,16 +43,37 @@ class Timing:
 def make_inputs(p: Problem, device: torch.device | str, *, requires_grad: bool = False,
                 generator: torch.Generator | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh N(0, 1) q, k, v for ``p`` in SDPA layout (B, H, S, D); never zeros."""
+    """Fresh N(0, 1) q, k, v for ``p`` in SDPA layout (B, H, S, D); never zeros. A packed
+    problem gets (total, H, D) tensors of :meth:`Problem.packed_lengths` (see
+    :func:`packed_layout`)."""
     dt = torch_dtype(p.dtype)
-    shapes = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim),
-              (p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
-              (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
+    if p.packed:
+        lq, lk = p.packed_lengths()
+        shapes = ((sum(lq), p.heads_q, p.head_dim), (sum(lk), p.heads_kv, p.head_dim),
+                  (sum(lk), p.heads_kv, p.head_dim))
+    else:
+        shapes = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim),
+                  (p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+                  (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     out = []
     for s in shapes:
         t = torch.randn(s, device=device, dtype=torch.float32, generator=generator).to(dt)
         out.append(t.requires_grad_(requires_grad))
     return out[0], out[1], out[2]
+
+
+def packed_layout(p: Problem, device: torch.device | str,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of :func:`make_inputs`'s
+    packed batch (the fields of ``flashtune.kernels.attn_fwd.Packed``), or None if dense."""
+    if not p.packed:
+        return None
+
+    def cu(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+    lq, lk = p.packed_lengths()
+    return cu(lq), cu(lk), max(lq), max(lk)
 
 
 def time_fn(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
@@ -213,8 +235,9 @@ def _flex(p: Problem) -> AttnFn:
 
 def anchors(p: Problem) -> dict[str, AttnFn]:
     """The protocol's anchor implementations for ``p`` (CUDA only; SDPA semantics: Sq == Sk
-    for causal, no window or softcap)."""
-    if p.has_window or p.softcap > 0 or (p.causal and p.seqlen_q != p.seqlen_k):
+    for causal, no window or softcap, no packed batch: benchmarks/bench_varlen.py compares
+    those)."""
+    if p.has_window or p.softcap > 0 or (p.causal and p.seqlen_q != p.seqlen_k) or p.packed:
         return {}
     return {
         "cudnn": _sdpa("CUDNN_ATTENTION", p),

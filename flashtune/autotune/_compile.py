@@ -54,25 +54,36 @@ def precompile(problem: dict[str, Any], direction: str,
 
         from flashtune._env import torch_dtype
         from flashtune.kernels.attn_bwd import attn_bwd
-        from flashtune.kernels.attn_fwd import attn_fwd
+        from flashtune.kernels.attn_fwd import Packed, attn_fwd
         from flashtune.kernels.config import config_from_dict
         from flashtune.problem import Problem, default_scale
 
         _compile_only()
-        p = replace(Problem.from_dict(problem), batch=1)
+        p = Problem.from_dict(problem)
+        packed = None
+        if p.packed:  # one short sequence: the varlen kernels, compiled as cheaply
+            p = replace(p, batch=1, seqlen_q=1, seqlen_k=1, total_q=1, total_k=1)
+            one = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+            packed = Packed(one, one, 1, 1)
+            q = torch.empty(1, p.heads_q, p.head_dim, device="cuda", dtype=torch_dtype(p.dtype))
+            k = torch.empty(1, p.heads_kv, p.head_dim, device="cuda", dtype=q.dtype)
+            lse = torch.empty(p.heads_q, 1, device="cuda", dtype=torch.float32)
+        else:
+            p = replace(p, batch=1)
+            dt = torch_dtype(p.dtype)
+            q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
+            k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda",
+                            dtype=dt)
+            lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, device="cuda",
+                              dtype=torch.float32)
         cfg: Any = config_from_dict(direction, config)
-        dt = torch_dtype(p.dtype)
-        q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
-        k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda", dtype=dt)
         v = torch.empty_like(k)
         kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
-                                  window=p.window, softcap=p.softcap)
+                                  window=p.window, softcap=p.softcap, packed=packed)
         if direction == "fwd":
             attn_fwd(q, k, v, config=cfg, **kw)
         else:
-            o = torch.empty_like(q)
-            lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, device="cuda", dtype=torch.float32)
-            attn_bwd(torch.empty_like(q), q, k, v, o, lse, config=cfg, **kw)
+            attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, config=cfg, **kw)
     except Exception as e:  # the timing worker sees the same error and classifies it
         return time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:300]}"
     return time.perf_counter() - t0, ""

@@ -30,7 +30,7 @@ import torch
 
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 from flashtune.problem import Problem, default_scale
-from flashtune.timing import Timing, make_inputs, time_fn, time_parts
+from flashtune.timing import Timing, make_inputs, packed_layout, time_fn, time_parts
 
 # The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
 # Above this many score elements it runs on a problem with fewer batches/heads: a tile
@@ -42,15 +42,19 @@ GATE_MAX_ROWS = 1 << 16
 
 def gate_problem(p: Problem) -> Problem:
     """``p``, or ``p`` with batch and then heads reduced so the reference stays small
-    (every tile config still sees the full sequence lengths, masks and GQA ratio)."""
+    (every tile config still sees the full sequence lengths, masks and GQA ratio). A
+    packed problem keeps its sequences (the reference checks one at a time) and loses
+    heads only."""
     per_bh = p.seqlen_q * p.seqlen_k
     batch, hq, hk = p.batch, p.heads_q, p.heads_kv
 
     def big() -> bool:
+        if p.packed:
+            return hq * per_bh > GATE_MAX_SCORES or hq * p.total_q > GATE_MAX_ROWS
         return (batch * hq * per_bh > GATE_MAX_SCORES
                 or batch * hq * p.seqlen_q > GATE_MAX_ROWS)
 
-    while batch > 1 and big():
+    while batch > 1 and big() and not p.packed:
         batch = max(1, batch // 2)
     while hk > 1 and hk % 2 == 0 and big():
         hk //= 2
@@ -106,6 +110,11 @@ class Bench:
         self.q, self.k, self.v = q, k, v
         self.kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
                                        window=p.window, softcap=p.softcap)
+        layout = packed_layout(p, device)
+        if layout is not None:  # a packed problem: its representative packed batch
+            from flashtune.kernels.attn_fwd import Packed
+
+            self.kw["packed"] = Packed(*layout)
         self._fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
 

@@ -7,7 +7,9 @@ sliding window from each model's published config and use whole-model head count
 per step, as the house matrix does. ``docs/presets.md`` lists every expansion.
 
 A shapes file (YAML or JSON) is a list of objects with the keys of :data:`SHAPE_KEYS`;
-a missing key takes its default from :data:`SHAPE_DEFAULTS`.
+a missing key takes its default from :data:`SHAPE_DEFAULTS`. A shape with ``tokens`` is a
+packed (varlen) batch: ``batch`` sequences of at most ``seqlen`` tokens, ``tokens`` in all
+(tuned on :meth:`Problem.packed_lengths`: one sequence of ``seqlen``, the rest equal).
 """
 
 from __future__ import annotations
@@ -79,9 +81,19 @@ def _model(m: Model) -> Callable[[], list[Problem]]:
     return lambda: model_problems(m)
 
 
+def _packed() -> list[Problem]:
+    # Packed (varlen) training batches of a Llama-3-8B-shaped model: (sequences, longest,
+    # tokens). The first is issue 15's benchmark batch (64 sequences, up to 8k, 64k tokens).
+    m = MODELS["llama3-8b"]
+    return [Problem(batch=n, heads_q=m.heads, heads_kv=m.kv_heads, seqlen_q=s, seqlen_k=s,
+                    head_dim=m.head_dim, dtype="bf16", causal=True, total_q=t, total_k=t)
+            for n, s, t in ((64, 8192, 65536), (32, 4096, 16384), (16, 2048, 16384))]
+
+
 PRESETS: dict[str, Callable[[], list[Problem]]] = {
     "standard": _standard,
     **{name: _model(m) for name, m in MODELS.items()},
+    "llama3-8b-packed": _packed,
     "tiny": _tiny,
 }
 
@@ -96,11 +108,12 @@ def preset(name: str) -> list[Problem]:
 # ------------------------------------------------------------------------- shapes files
 
 SHAPE_KEYS = ("batch", "heads", "kv_heads", "seqlen", "seqlen_k", "head_dim", "dtype",
-              "causal", "window", "softcap")
+              "causal", "window", "softcap", "tokens")
 SHAPE_DEFAULTS: dict[str, Any] = {
     "batch": 1, "heads": 16, "kv_heads": None,  # None: same as heads
     "seqlen": 1024, "seqlen_k": None,  # None: same as seqlen
     "head_dim": 128, "dtype": "bf16", "causal": False, "window": None, "softcap": 0.0,
+    "tokens": None,  # None: a dense batch; an int: a packed batch of that many tokens
 }
 
 
@@ -136,13 +149,19 @@ def shape_problem(d: Any, where: str = "shape") -> Problem:
         raise ValueError(f"{where}: causal must be true or false, got {v['causal']!r}")
     if isinstance(v["softcap"], bool) or not isinstance(v["softcap"], (int, float)):
         raise ValueError(f"{where}: softcap must be a number, got {v['softcap']!r}")
+    tokens = v["tokens"]
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                               or not v["seqlen"] <= tokens <= v["batch"] * v["seqlen"]):
+        raise ValueError(f"{where}: tokens (a packed batch's total) must be an int from seqlen "
+                         f"to batch * seqlen, got {tokens!r}")
     try:
         return Problem(
             batch=v["batch"], heads_q=v["heads"],
             heads_kv=v["heads"] if v["kv_heads"] is None else v["kv_heads"],
             seqlen_q=v["seqlen"], seqlen_k=v["seqlen"] if v["seqlen_k"] is None else v["seqlen_k"],
             head_dim=v["head_dim"], dtype=v["dtype"], causal=v["causal"],
-            window=_window(v["window"], v["causal"], where), softcap=float(v["softcap"]))
+            window=_window(v["window"], v["causal"], where), softcap=float(v["softcap"]),
+            total_q=tokens or 0, total_k=tokens or 0)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -26,11 +26,16 @@ def _impls(p: Any, storage: Any, device: Any, software: Any,
     """({name: attn(q, k, v)}, {"tuned": which directions were tuned})."""
     from flashtune.kernels.attention import flash_attention
     from flashtune.kernels.config import config_from_dict, default_bwd, default_fwd
-    from flashtune.timing import anchors
+    from flashtune.kernels.varlen import flash_attn_varlen_func
+    from flashtune.timing import anchors, packed_layout
+
+    layout = packed_layout(p, "cpu" if interpreter else "cuda")
 
     def ours(fwd: Any, bwd: Any) -> Any:
-        return lambda q, k, v: flash_attention(q, k, v, causal=p.causal, window_size=p.window,
-                                               softcap=p.softcap, config=(fwd, bwd))
+        kw = dict(causal=p.causal, window_size=p.window, softcap=p.softcap, config=(fwd, bwd))
+        if layout is not None:  # a packed problem: its representative packed batch
+            return lambda q, k, v: flash_attn_varlen_func(q, k, v, *layout, **kw)
+        return lambda q, k, v: flash_attention(q, k, v, **kw)
 
     dflt = (default_fwd(p), default_bwd(p))
     tuned: dict[str, Any] = {}

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from flashtune._env import torch_dtype
 from flashtune.problem import default_scale
 
 
@@ -233,32 +232,33 @@ def compare(problem: Any, direction: str, config: Any, *, device: torch.device |
     check it against the fp32 reference under the 2x rule.
 
     ``direction="fwd"`` checks O and the LSE (config: FwdConfig); ``"bwd"`` checks dq, dk
-    and dv (config: BwdConfig; the forward runs with the heuristic default).
+    and dv (config: BwdConfig; the forward runs with the heuristic default). A packed
+    problem runs its representative packed batch (``Problem.packed_lengths``).
     """
     from flashtune.kernels.attn_bwd import attn_bwd
-    from flashtune.kernels.attn_fwd import attn_fwd
+    from flashtune.kernels.attn_fwd import Packed, attn_fwd
     from flashtune.kernels.config import default_fwd
+    from flashtune.timing import make_inputs, packed_layout
 
-    dt = torch_dtype(problem.dtype)
     p = problem
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(
-            device=device, dtype=dt)
-
-    q = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
-    k = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
-    v = randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim)
+    q, k, v = (t.to(device) for t in make_inputs(p, "cpu", generator=generator))
+    layout = packed_layout(p, device)
+    packed = None if layout is None else Packed(*layout)
     scale = default_scale(p.head_dim)
-    kw = dict(causal=p.causal, sm_scale=scale, window=p.window, softcap=p.softcap)
+    kw = dict(causal=p.causal, sm_scale=scale, window=p.window, softcap=p.softcap, packed=packed)
     fcfg = config if direction == "fwd" else default_fwd(p)
     o, lse = attn_fwd(q, k, v, config=fcfg, **kw)
     do = grads = None
     if direction == "bwd":
-        do = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+        do = torch.randn(q.shape, generator=generator, dtype=torch.float32).to(device, q.dtype)
         grads = attn_bwd(do, q, k, v, o, lse, config=config, **kw)
-    errs, terrs = reference_errors(q, k, v, do, o, lse, grads, causal=p.causal,
-                                   softmax_scale=scale, window_size=p.window, softcap=p.softcap)
+    ref_kw: dict[str, Any] = dict(causal=p.causal, softmax_scale=scale, window_size=p.window,
+                                  softcap=p.softcap)
+    if packed is None:
+        errs, terrs = reference_errors(q, k, v, do, o, lse, grads, **ref_kw)
+    else:
+        errs, terrs = varlen_reference_errors(q, k, v, packed.cu_q, packed.cu_k, do, o, lse,
+                                              grads, **ref_kw)
     if direction == "bwd":  # the gate for a backward config judges its own outputs
         errs = {n: errs[n] for n in ("dq", "dk", "dv")}
     ok, ratio, detail = within_rule(errs, terrs, factor)

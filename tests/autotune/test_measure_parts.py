@@ -44,6 +44,19 @@ def test_backward_timing_reports_each_launch(device: str, seed: int) -> None:
     assert fwd_parts == {} and fwd_tm.median_ms > 0
 
 
+def test_a_packed_problem_is_gated_and_timed_on_packed_inputs(device: str, seed: int) -> None:
+    from flashtune.autotune.measure import measure
+    from flashtune.kernels.config import default_bwd
+
+    p = Problem(batch=4, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=40, head_dim=32,
+                dtype="bf16", causal=True, total_q=90, total_k=90)
+    bench = Bench(p, device, seed=seed)
+    assert bench.q.shape == (90, 2, 32) and bench.kw["packed"].max_q == 40
+    for direction, cfg in (("fwd", default_fwd(p)), ("bwd", default_bwd(p))):
+        m = measure(bench, direction, cfg, seed=seed, cpu_reps=1)
+        assert m.status == "ok", m.detail
+
+
 def test_time_parts_needs_a_launch() -> None:
     with pytest.raises(ValueError, match="at least one"):
         time_parts([])

@@ -59,6 +59,24 @@ def test_presets_expand_from_model_configs() -> None:
     assert MODELS["llama3-8b"].kv_heads == 8
 
 
+def test_packed_preset_and_shape() -> None:
+    first = preset("llama3-8b-packed")[0]
+    assert first.packed and (first.batch, first.seqlen_q, first.total_q) == (64, 8192, 65536)
+    lq, lk = first.packed_lengths()
+    assert lq == lk and len(lq) == 64 and max(lq) == 8192 and sum(lq) == 65536
+    p = load_shape_dicts([{"batch": 3, "heads": 4, "seqlen": 50, "tokens": 101}])[0]
+    assert p.packed and (p.total_q, p.total_k) == (101, 101)
+    assert p.packed_lengths() == ([50, 26, 25], [50, 26, 25])
+    with pytest.raises(ValueError, match="tokens .* from seqlen to batch \\* seqlen, got 200"):
+        load_shape_dicts([{"batch": 3, "seqlen": 50, "tokens": 200}])
+
+
+def load_shape_dicts(shapes: list[dict]) -> list[Problem]:
+    from flashtune.autotune.presets import shape_problem
+
+    return [shape_problem(d) for d in shapes]
+
+
 def test_shapes_file_yaml_defaults_and_window(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text("- {heads: 8, kv_heads: 2, seqlen: 1000, causal: true, window: 128}\n"
