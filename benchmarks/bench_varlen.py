@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 # Run as a script, this file's folder is on sys.path: the shared environment record.
@@ -90,7 +91,9 @@ def main() -> None:
         args.seqs, args.min_len, args.max_len, args.tokens = 4, 16, 64, 128
         args.heads_q, args.heads_kv, args.head_dim, args.no_flex = 4, 2, 32, True
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    for name in ("cache_size_limit", "recompile_limit"):  # else Flex silently runs eager
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
     lens = draw_lengths(args.seqs, args.min_len, args.max_len, args.tokens, args.seed)
     total, hq, hk, d = sum(lens), args.heads_q, args.heads_kv, args.head_dim

@@ -25,8 +25,8 @@ including itself: ``window_size=(W-1, 0)``) and logit softcapping, on
   padded back (padding rows get zeros).
 
 Calls the kernels cannot serve (attention dropout, fp32 models, unsupported head dims, a
-4-D mask) run through PyTorch's SDPA with the same semantics, with one WARNING per
-reason per process.
+4-D mask, a padding mask under ``torch.compile``) run through PyTorch's SDPA with the
+same semantics, with one WARNING per reason per process.
 """
 
 from __future__ import annotations
@@ -184,6 +184,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         why = "attention dropout"
     if why is None and attention_mask is not None and attention_mask.dim() != 2:
         why = f"a {attention_mask.dim()}-D attention mask (flashtune takes a 2-D padding mask)"
+    if why is None and attention_mask is not None and torch.compiler.is_compiling():
+        why = "a padding mask under torch.compile (unpadding reads the mask)"
     if why is not None:
         _note_fallback(why)
         out = _sdpa(query, key, value, attention_mask, scaling, dropout, causal, window, cap)
@@ -193,7 +195,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) views
     if attention_mask is not None:  # padded batch: unpad, varlen, pad back
         calls["padded"] += 1
-        iq, ik, seqs = _once_per_tensor("mask", attention_mask,
+        iq, ik, seqs = _once_per_tensor(f"mask{sq}", attention_mask,
                                         lambda m: _unpad_index(m, sq))
         flat_k = (t.reshape(-1, *t.shape[2:]) for t in (k, v))
         ku, vu = (t.index_select(0, ik) for t in flat_k)

@@ -200,7 +200,10 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
               window: tuple[int, int], softcap: float, enc: Sequence[int],
+              deterministic: bool = True,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # ``deterministic`` is carried for backward variants to come: today's backward is
+    # deterministic either way (no atomics; GQA groups summed in a fixed order).
     cfg = _bwd_config(enc, q, k, causal, window, softcap)
     return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
                     softcap=softcap, config=cfg)
@@ -211,13 +214,15 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @torch.library.custom_op("flashtune::attn_fwd", mutates_args=())
 def attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                window_left: int, window_right: int, softcap: float, fwd_config: list[int],
-                bwd_config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                window_left: int, window_right: int, softcap: float, deterministic: bool,
+                fwd_config: list[int], bwd_config: list[int],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     return _fwd_impl(q, k, v, causal, scale, (window_left, window_right), softcap, fwd_config)
 
 
 @attn_fwd_op.register_fake
-def _(q, k, v, causal, scale, window_left, window_right, softcap, fwd_config, bwd_config):
+def _(q, k, v, causal, scale, window_left, window_right, softcap, deterministic, fwd_config,
+      bwd_config):
     b, hq, sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -225,14 +230,16 @@ def _(q, k, v, causal, scale, window_left, window_right, softcap, fwd_config, bw
 @torch.library.custom_op("flashtune::attn_bwd", mutates_args=())
 def attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                window_left: int, window_right: int, softcap: float, bwd_config: list[int],
+                window_left: int, window_right: int, softcap: float, deterministic: bool,
+                bwd_config: list[int],
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _bwd_impl(do, q, k, v, o, lse, causal, scale, (window_left, window_right), softcap,
-                     bwd_config)
+                     bwd_config, deterministic)
 
 
 @attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, bwd_config):
+def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, deterministic,
+      bwd_config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -242,29 +249,30 @@ def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, bw
 
 def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
           lse: torch.Tensor, causal: bool, scale: float, window: tuple[int, int],
-          softcap: float, bwd_enc: Sequence[int]) -> None:
+          softcap: float, deterministic: bool, bwd_enc: Sequence[int]) -> None:
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (causal, scale, window, softcap, bwd_enc)
+    ctx.args = (causal, scale, window, softcap, deterministic, bwd_enc)
     ctx.mark_non_differentiable(lse)
 
 
 def _grads(ctx: Any, do: torch.Tensor, op: bool) -> tuple[torch.Tensor, ...]:
     q, k, v, o, lse = ctx.saved_tensors
-    causal, scale, window, softcap, bwd_enc = ctx.args
+    causal, scale, window, softcap, deterministic, bwd_enc = ctx.args
     if op:  # stay inside the op graph under torch.compile
         return tuple(attn_bwd_op(do, q, k, v, o, lse, causal, scale, window[0], window[1],
-                                 softcap, bwd_enc))
-    return _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
+                                 softcap, deterministic, bwd_enc))
+    return _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc,
+                     deterministic)
 
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, wl, wr, softcap, _fwd_cfg, bwd_cfg = inputs
+    q, k, v, causal, scale, wl, wr, softcap, deterministic, _fwd_cfg, bwd_cfg = inputs
     o, lse = output
-    _save(ctx, q, k, v, o, lse, causal, scale, (wl, wr), softcap, bwd_cfg)
+    _save(ctx, q, k, v, o, lse, causal, scale, (wl, wr), softcap, deterministic, bwd_cfg)
 
 
 def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-    return (*_grads(ctx, do, op=True), None, None, None, None, None, None, None)
+    return (*_grads(ctx, do, op=True), None, None, None, None, None, None, None, None)
 
 
 attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -278,15 +286,15 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float, window: tuple[int, int], softcap: float, fwd_enc: list[int],
-                bwd_enc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, window: tuple[int, int], softcap: float, deterministic: bool,
+                fwd_enc: list[int], bwd_enc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _fwd_impl(q, k, v, causal, scale, window, softcap, fwd_enc)
-        _save(ctx, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc)
+        _save(ctx, q, k, v, o, lse, causal, scale, window, softcap, deterministic, bwd_enc)
         return o, lse
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        return (*_grads(ctx, do, op=False), None, None, None, None, None, None)
+        return (*_grads(ctx, do, op=False), None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- public
@@ -321,8 +329,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     dtype), plus the natural-log LSE (B, Hq, Sq) fp32 with ``return_lse=True``.
     ``config`` forces a forward and/or backward config; otherwise the installed
     resolver (the dispatcher, or the heuristic default) chooses. The backward is
-    deterministic whatever ``deterministic`` says (it is accepted for flash-attn
-    compatibility; faster variants with a free dQ order may later serve ``False``).
+    deterministic whatever ``deterministic`` says (it is accepted, and carried to the
+    backward, for flash-attn compatibility; faster variants with a free dQ order may later
+    serve ``False``).
 
     The layout is PyTorch SDPA's: heads before sequence. For flash-attn's (B, S, H, D)
     tensors use :func:`flash_attn_func`, or pass ``x.transpose(1, 2)`` (no copy).
@@ -338,9 +347,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                       cap)
     fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)
     if torch.compiler.is_compiling():
-        o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, fwd_enc, bwd_enc)
+        o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, deterministic,
+                             fwd_enc, bwd_enc)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = FlashAttnFunc.apply(q, k, v, causal, scale, window, cap, fwd_enc, bwd_enc)
+        o, lse = FlashAttnFunc.apply(q, k, v, causal, scale, window, cap, deterministic,
+                                     fwd_enc, bwd_enc)
     else:
         o, lse = _fwd_impl(q, k, v, causal, scale, window, cap, fwd_enc)
     return (o, lse) if return_lse else o
