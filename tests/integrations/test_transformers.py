@@ -148,3 +148,14 @@ def test_llama_one_step_matches_sdpa_gpu_longer(seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _compare(LlamaForCausalLM, LlamaConfig, "cuda", seed, seqlen=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_llama_packed_and_padded_steps_match_sdpa_gpu_longer(seed, flash_kwargs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    batch, padded = _packed_batch("cuda", seed, flash_kwargs, lengths=(300, 1, 700, 64, 128))
+    _compare(LlamaForCausalLM, LlamaConfig, "cuda", seed, batch=batch, path="packed",
+             ref_batch=padded)
+    _compare(LlamaForCausalLM, LlamaConfig, "cuda", seed, batch=padded, path="padded")
