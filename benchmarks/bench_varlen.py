@@ -16,7 +16,7 @@ Targets: varlen >= 1.25x flex, varlen >= 0.9x dense. Prints a short table; write
 (GPU, versions, date, lengths, timings, ratios) to --out.
 
     python benchmarks/bench_varlen.py --out benchmarks/data/varlen_h200.json
-    TRITON_INTERPRET=1 python benchmarks/bench_varlen.py --tiny --out /tmp/v.json   # smoke
+    TRITON_INTERPRET=1 python benchmarks/bench_varlen.py --tiny --out tiny.json   # smoke
 """
 
 from __future__ import annotations
