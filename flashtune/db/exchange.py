@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from flashtune.db import plausibility
 from flashtune.db.fingerprint import SoftwareInfo, software_info
 from flashtune.db.storage import PREFER, Result
 from flashtune.db.validation import (
@@ -105,6 +106,10 @@ def validate_export(data: bytes) -> list[Entry]:
     for i, entry in enumerate(doc["entries"]):
         try:
             r = from_entry(entry)
+            # Types and ranges are not enough: a claim no measurement can make (0 ms, a
+            # TFLOP/s past the device's peak) would outrank every real result.
+            for name, why in plausibility.problems(r)[:1]:
+                raise Bad(name, f"{why}; implausible for a measurement")
         except Bad as bad:
             raise ImportValidationError(f"entry {i}: {bad}") from None
         k = sort_key(r)

@@ -34,18 +34,27 @@ def result(rng: random.Random, *, device: DeviceInfo = H200, software: SoftwareI
            direction: str | None = None, p: Problem | None = None, **kw: Any) -> Result:
     direction = direction or rng.choice(["fwd", "bwd"])
     p = p or problem(rng)
-    median = round(rng.uniform(0.01, 50.0), 6)
+    # Plausible timings: at most 300 TFLOP/s, and the TFLOP/s the median implies.
+    flops = p.flops(direction)
+    median = round(max(rng.uniform(0.01, 50.0), flops / 3e11), 6)
     fields: dict[str, Any] = dict(
         device=device, software=software, key=p.key(direction),
         problem=p if rng.random() < 0.8 else None, config=config(rng, direction),
         median_ms=median, p20_ms=median * 0.95, p80_ms=median * 1.07,
-        tflops=rng.uniform(1, 700), max_error=rng.uniform(0, 0.01), trials=rng.randint(1, 500),
+        tflops=flops / (median * 1e9), max_error=rng.uniform(0, 0.01), trials=rng.randint(1, 500),
         search_seconds=rng.uniform(0, 3600), host=rng.choice(["gpu-node-1", "ws"]),
         created_at=f"2026-11-{rng.randint(1, 28):02d}T10:{rng.randint(0, 59):02d}:"
                    f"{rng.randint(0, 59):02d}.{rng.randint(0, 999999):06d}+00:00",
         flashtune_version="0.1.0")
     fields.update(kw)
     return Result(**fields)
+
+
+def retimed(r: Result, median_ms: float, **kw: Any) -> Result:
+    """``r`` with another median (p20/p80 around it) and the TFLOP/s that median implies."""
+    return dataclasses.replace(r, median_ms=median_ms, p20_ms=median_ms * 0.9,
+                               p80_ms=median_ms * 1.1,
+                               tflops=r.tflops * r.median_ms / median_ms, **kw)
 
 
 def results(seed: int, n: int, devices: tuple[DeviceInfo, ...] = (H200, A100, CPU),

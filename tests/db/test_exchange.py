@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from typing import Any
@@ -72,9 +71,9 @@ def test_export_filters_by_device(tmp_path: Any) -> None:
                                             ("theirs", "file")])
 def test_import_merges_by_prefer_and_keeps_provenance(prefer: str, winner: str) -> None:
     base = _data.results(24, 1, devices=(H200,), software=(SW,))[0]
-    stored = dataclasses.replace(base, median_ms=2.0, p20_ms=1.5, p80_ms=2.5, host="db-host")
-    incoming = dataclasses.replace(base, median_ms=1.0, p20_ms=0.5, p80_ms=1.5,
-                                   host="file-host", created_at="2025-01-02T03:04:05+00:00")
+    stored = _data.retimed(base, 2 * base.median_ms, host="db-host")
+    incoming = _data.retimed(base, base.median_ms, host="file-host",
+                             created_at="2025-01-02T03:04:05+00:00")
     with open_storage("sqlite://") as s:
         s.put_results([stored])
         report = import_json(s, dump(doc([incoming])), prefer=prefer)

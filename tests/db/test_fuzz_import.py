@@ -30,7 +30,7 @@ from flashtune.exceptions import ImportValidationError
 from tests.db import _data
 
 SEED = int(os.environ.get("FLASHTUNE_FUZZ_SEED", "20261121"))
-N_CASES = 560
+N_CASES = 650
 HOLE = "\u0000hole\u0000"  # replaced in the serialized text by raw JSON (huge numbers, ...)
 
 
@@ -139,8 +139,10 @@ def valid_change(rng: random.Random, d: dict[str, Any]) -> bytes:
     what = rng.randrange(4)
     if what == 0:
         e["config"] = _data.config(rng, e["direction"])
-    elif what == 1:
-        e["p20_ms"] = e["median_ms"] = e["p80_ms"] = round(rng.uniform(0.001, 100), 4)
+    elif what == 1:  # slower, with the TFLOP/s that implies (a faster one may be past peak)
+        median = round(e["median_ms"] * rng.uniform(1, 20), 4)
+        e["tflops"] *= e["median_ms"] / median
+        e["p20_ms"] = e["median_ms"] = e["p80_ms"] = median
     elif what == 2:
         e["device"]["name"] = f"GPU {rng.randrange(10**6)}"
     else:
@@ -148,9 +150,33 @@ def valid_change(rng: random.Random, d: dict[str, Any]) -> bytes:
     return json.dumps(d, indent=rng.choice([None, 1])).encode()
 
 
+def implausible(rng: random.Random, d: dict[str, Any]) -> bytes:
+    """Well-typed, in range, and no measurement: the claims that would poison a database."""
+    e = rng.choice(d["entries"])
+    what = rng.randrange(7)
+    if what == 0:  # 0 ms or a denormal, p20 and p80 alike
+        e["p20_ms"] = e["median_ms"] = e["p80_ms"] = rng.choice([0.0, 1e-300, 1e-9, 5e-4])
+    elif what == 1:  # 0 ms for the median alone
+        e["p20_ms"] = e["median_ms"] = 0.0
+    elif what == 2:  # a TFLOP/s past any device's peak
+        e["tflops"] = rng.choice([1e6, 99999.0, 5001.0])
+    elif what == 3:  # a TFLOP/s that contradicts the median and the problem
+        e["tflops"] *= rng.choice([0.1, 0.5, 1.5, 10.0])
+    elif what == 4:  # faster by 10^4 with a consistent TFLOP/s: past the device's peak
+        e["p20_ms"], e["median_ms"], e["p80_ms"] = (e[k] / 1e4 for k in
+                                                    ("p20_ms", "median_ms", "p80_ms"))
+        e["tflops"] *= 1e4
+    elif what == 5:  # an error the correctness gate never passes
+        e["max_error"] = rng.choice([1e5, 3.0, 1.5])
+    else:  # quantiles out of order
+        e["p20_ms"], e["p80_ms"] = e["p80_ms"], e["p20_ms"]
+    return json.dumps(d).encode()
+
+
 MUTATIONS: list[Callable[[random.Random, dict[str, Any]], bytes]] = [
     random_bytes, truncated, flipped_bytes, wrong_type, out_of_range, unknown_field,
-    huge_number, deep_nesting, non_finite, deleted_field, duplicated_entry, valid_change]
+    huge_number, deep_nesting, non_finite, deleted_field, duplicated_entry, valid_change,
+    implausible]
 
 
 def checksum(path: Path) -> str:
@@ -190,7 +216,7 @@ def test_fuzzed_imports_are_valid_or_cleanly_rejected(tmp_path: Path) -> None:
     # The fuzzer really exercised both sides, and every hostile kind was always refused.
     assert sum(v for (_, o), v in seen.items() if o == "rejected") >= 400
     assert seen["valid_change", "imported"] == N_CASES // len(MUTATIONS)
-    for kind in ("random_bytes", "huge_number", "non_finite", "duplicated_entry"):
+    for kind in ("random_bytes", "huge_number", "non_finite", "duplicated_entry", "implausible"):
         assert seen[kind, "imported"] == 0, kind
     with open_storage(str(path), read_only=True) as s:
         assert validate_export(export_json(s))  # what was imported is still a valid export
