@@ -8,12 +8,14 @@ at most ``FLASHTUNE_DIST_TIMEOUT`` seconds, then decide locally with a warning.
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from flashtune._env import flag, is_set, number
+from flashtune.db.storage import Result
+from flashtune.db.validation import Bad, from_entry, to_entry
 from flashtune.dispatch._state import warn_once
 from flashtune.dispatch._table import Entry, Table, index
 from flashtune.problem import ProblemKey
@@ -51,15 +53,36 @@ def store_key(*parts: object) -> str:
     return STORE_PREFIX + hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
-def exchange(d: Dist, name: str, produce: Any) -> Any:
-    """Rank 0 computes ``produce()`` and publishes it; the others read it (bounded wait).
-    Returns the value, or raises TimeoutError/RuntimeError on the non-zero ranks."""
+def exchange(d: Dist, name: str, produce: Any, encode: Any, decode: Any) -> Any:
+    """Rank 0 computes ``produce()`` and publishes ``encode(value)`` as JSON; the others read
+    it (bounded wait) and return ``decode(json)``. JSON, never pickle: any client of the
+    store's TCP port can write to it, and what a rank reads must stay data. Raises
+    TimeoutError/RuntimeError/ValueError on the non-zero ranks."""
     if d.rank == 0:
         value = produce()
-        d.store.set(name, pickle.dumps(value))
+        d.store.set(name, json.dumps(encode(value)).encode())
         return value
     d.store.wait([name], timedelta(seconds=d.timeout))
-    return pickle.loads(d.store.get(name))
+    return decode(json.loads(d.store.get(name).decode()))
+
+
+def encode_results(pairs: list[tuple[Result, str]]) -> list[dict[str, Any]]:
+    return [{"entry": to_entry(r), "layer": layer} for r, layer in pairs]
+
+
+def decode_results(doc: Any) -> list[tuple[Result, str]]:
+    """The (result, layer) pairs of :func:`encode_results`, each validated as an import is."""
+    if not isinstance(doc, list):
+        raise ValueError(f"expected a list of entries, got {type(doc).__name__}")
+    out = []
+    for item in doc:
+        if not isinstance(item, dict) or item.get("layer") not in ("user", "shipped"):
+            raise ValueError("an entry without a valid layer")
+        try:
+            out.append((from_entry(item.get("entry")), item["layer"]))
+        except Bad as e:
+            raise ValueError(f"an invalid entry: {e}") from None
+    return out
 
 
 def sync_table(local: Table) -> Table:
@@ -69,7 +92,7 @@ def sync_table(local: Table) -> Table:
     name = store_key("table", local.device.fingerprint)
     payload = lambda: [(e.result, e.layer) for e in local.entries.values()]  # noqa: E731
     try:
-        published = exchange(d, name, payload)
+        published = exchange(d, name, payload, encode_results, decode_results)
     except Exception as e:
         warn_once("dist-table", f"flashtune: rank {d.rank} got no tuning table from rank 0 "
                    f"({type(e).__name__}: {e}); using its own")

@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from flashtune._env import database_url, number
 from flashtune.db.fingerprint import DeviceInfo, software_info
-from flashtune.dispatch._distributed import dist_group, exchange, store_key
+from flashtune.dispatch._distributed import (
+    decode_results,
+    dist_group,
+    encode_results,
+    exchange,
+    store_key,
+)
 from flashtune.dispatch._state import counters, warn_once
 from flashtune.dispatch._table import Table, log, parse
 from flashtune.kernels.config import config_to_dict
@@ -26,7 +32,10 @@ def tune_on_miss(problem: Problem, direction: str, table: Table) -> Result | Non
     else:
         name = store_key("tuned", table.device.fingerprint, problem.key(direction))
         try:
-            result = exchange(d, name, run)
+            result = exchange(
+                d, name, run,
+                lambda r: None if r is None else encode_results([(r, "user")]),
+                lambda doc: None if doc is None else decode_results(doc)[0][0])
         except Exception as e:
             warn_once(f"dist-tune:{name}", f"flashtune: rank {d.rank} got no online-tuning "
                        f"result from rank 0 ({type(e).__name__}: {e}); deciding locally")

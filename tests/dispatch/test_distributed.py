@@ -86,3 +86,53 @@ def test_online_tuning_rank0_tunes_and_shares(tmp_path):
     got = _spawn(tmp_path, {"FLASHTUNE_TUNE_ON_MISS": "1", "FLASHTUNE_TUNE_TRIALS": "2"})
     assert got[0]["picked"] == got[1]["picked"]
     assert got[0]["stats"]["tunes"] == 1 and got[1]["stats"]["tunes"] == 0
+
+
+class _Store:
+    """The two calls of a c10d store that the exchange uses."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, name: str, value: bytes) -> None:
+        self.data[name] = value
+
+    def wait(self, names: list[str], timeout: object) -> None:
+        assert all(n in self.data for n in names)
+
+    def get(self, name: str) -> bytes:
+        return self.data[name]
+
+
+def test_tables_cross_ranks_as_json_and_a_pickle_is_never_loaded(tmp_path: Path) -> None:
+    import pickle
+
+    from flashtune.dispatch._distributed import (
+        Dist,
+        decode_results,
+        encode_results,
+        exchange,
+    )
+    from tests.db import _data
+
+    pairs = [(r, "user") for r in _data.results(3, 4)]
+    store = _Store()
+    exchange(Dist(0, store, 1.0), "k", lambda: pairs, encode_results, decode_results)
+    json.loads(store.data["k"])  # plain JSON on the wire
+    got = exchange(Dist(1, store, 1.0), "k", lambda: None, encode_results, decode_results)
+    assert [(r.key, r.config, r.median_ms, layer) for r, layer in got] == \
+        [(r.key, r.config, r.median_ms, layer) for r, layer in pairs]
+
+    flag = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (flag.write_text, ("code ran",))
+
+    store.data["k"] = pickle.dumps(Evil())
+    with pytest.raises(ValueError):
+        exchange(Dist(1, store, 1.0), "k", lambda: None, encode_results, decode_results)
+    assert not flag.exists()
+    store.data["k"] = json.dumps([{"entry": {"median_ms": 0}, "layer": "user"}]).encode()
+    with pytest.raises(ValueError, match="invalid entry"):
+        exchange(Dist(1, store, 1.0), "k", lambda: None, encode_results, decode_results)
