@@ -21,6 +21,8 @@ from typing import Any
 DTYPES = ("fp16", "bf16")
 DIRECTIONS = ("fwd", "bwd")
 MAX_BUCKET = 1 << 20
+# Each size of a problem: the kernels index rows within one head in int32.
+MAX_SIZE = 2**31 - 1
 HEAD_DIMS = "a multiple of 8 in [16, 256]"
 
 
@@ -141,8 +143,8 @@ class Problem:
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SIZE:
+                raise ValueError(f"{name} must be an int from 1 to {MAX_SIZE}, got {v!r}")
         if self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_q={self.heads_q} must be a multiple of heads_kv={self.heads_kv}")

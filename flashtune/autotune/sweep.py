@@ -174,26 +174,55 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
                 on_event("done", task)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of a worker process: ``python -m flashtune.autotune.sweep SPEC_JSON``.
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number
+_received: list[str] = []
 
-    ``SPEC_JSON`` holds ``sweep_id``, ``options`` (:class:`Options` fields) and ``label``.
+
+def interrupt_on_sigterm() -> None:
+    """Handle SIGTERM (Slurm, Kubernetes, ``kill``) as SIGINT: a KeyboardInterrupt in the
+    main thread, so the task in hand goes back to pending and the process exits cleanly."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        _received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def interrupted_status() -> int:
+    """The exit status after an interrupt: 143 for SIGTERM, 130 for SIGINT (Ctrl-C)."""
+    return _SIGNAL_EXIT.get(_received[0] if _received else "SIGINT", 130)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of a worker process: ``python -m flashtune.autotune.sweep -``.
+
+    The spec (JSON: ``sweep_id``, ``options`` (:class:`Options` fields) and ``label``)
+    comes on stdin, never in argv, where ``ps`` would show the database URL and its
+    password (a ``SPEC_JSON`` argument in place of ``-`` is accepted too). SIGINT and
+    SIGTERM release the task in hand and exit with 130 / 143, without a traceback.
     """
     import sys
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    spec = json.loads(args[0])
-    opts = Options(**spec["options"])
+    interrupt_on_sigterm()
     try:
+        args = list(sys.argv[1:] if argv is None else argv)
+        spec = json.loads(sys.stdin.read() if args[0] == "-" else args[0])
+        opts = Options(**spec["options"])
         with Board(opts.db_url) as board:
             did = run_worker(board, spec["sweep_id"], opts,
                              worker=worker_id(spec.get("label", "")))
     except KeyboardInterrupt:
-        return 130
+        return interrupted_status()
     except FlashtuneError as e:
         print(f"flashtune sweep worker: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(did), flush=True)
+    try:
+        print(json.dumps(did), flush=True)
+    except BrokenPipeError:  # the parent is gone; what was done is in the database
+        pass
     return 0
 
 

@@ -6,7 +6,9 @@ exit with status 1, never a traceback.
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +25,50 @@ NO_GPU = ("no CUDA GPU found: `autotune {cmd}` runs kernels. Run it on a machine
           "GPU, or pass --interpret to use Triton's CPU interpreter (slow; its timings are "
           "not GPU timings).")
 
+class FiniteRange(click.FloatRange):
+    """A float range that also refuses NaN and infinities (which pass click's own range)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None,
+                ) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+# Seconds for budgets, timeouts and leases: positive, finite, at most 30 days.
+SECONDS = FiniteRange(min=0, max=30 * 86400, min_open=True)
+# Candidates per direction: a million is beyond any budget (one trial takes >= milliseconds).
+TRIALS = click.IntRange(min=1, max=1_000_000)
+# Optuna's samplers seed numpy's generator, which takes 0 .. 2**32 - 1.
+SEED = click.IntRange(min=0, max=2**32 - 1)
+# Problem sizes: what the kernels index in int32 within a head.
+SIZE = click.IntRange(min=1, max=2**31 - 1)
+# Input files (--shapes, --bench, import): a tuning export of every shape ever tuned is a
+# few megabytes; a larger file is a mistake, and a special file could be read forever.
+MAX_INPUT_BYTES = 64 << 20
+
+
+def read_input(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a regular file (or stdin for '-'), at most ``limit``; OSError otherwise,
+    naming the file: a FIFO, a device (/dev/zero) or a directory is refused unread."""
+    if path == "-":
+        data = sys.stdin.buffer.read(limit + 1)
+    else:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: {what} must be a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{path}: {what} is {st.st_size} bytes; the limit is {limit}")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path}: {what} is larger than the limit of {limit} bytes")
+    return data
+
+
 db_option = click.option(
     "--db", "db_url", metavar="URL", default=None,
     help="Database path or SQLAlchemy URL (default: $FLASHTUNE_DB, else tuning.db in the "
@@ -32,10 +78,9 @@ db_option = click.option(
 def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
     """``--direction``, ``--trials`` and ``--time-budget``: what to tune and for how long."""
     def apply(fn: Any) -> Any:
-        fn = click.option("--time-budget", type=click.FloatRange(min=0, min_open=True),
-                          default=None, metavar="S", help=time_help)(fn)
-        fn = click.option("--trials", type=click.IntRange(min=1), default=None,
-                          help=trials_help)(fn)
+        fn = click.option("--time-budget", type=SECONDS, default=None, metavar="S",
+                          help=time_help)(fn)
+        fn = click.option("--trials", type=TRIALS, default=None, help=trials_help)(fn)
         return click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]),
                             default="both", show_default=True)(fn)
     return apply
@@ -48,12 +93,29 @@ def clean_errors() -> Iterator[None]:
     except (FlashtuneError, OSError) as e:
         text = " ".join(str(e).split()) or type(e).__name__
         raise click.ClickException(text) from None
+    except Exception as e:
+        # Optuna's storage (the tuner's study) and SQLAlchemy report a database that cannot
+        # be written (read-only file, full disk, gone) with their own exceptions.
+        if not type(e).__module__.startswith(("optuna", "sqlalchemy", "sqlite3")):
+            raise
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        text = lines[0].strip() if lines else type(e).__name__
+        raise click.ClickException(f"the database cannot be used: {text}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename, with the mode a
+    plain ``open`` would give (0666 less the umask; mkstemp's own is 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -94,6 +156,7 @@ def shape_set(preset: str | None, shapes: str | None, from_misses: bool,
         raise click.UsageError(f"choose one shape set, got {' and '.join(chosen)}")
     try:
         if shapes:
+            read_input(shapes, "a shapes file")  # a regular file of a sane size, or nothing
             return f"shapes file {shapes}", load_shapes(shapes)
         if from_misses:
             return "recorded misses", recorded_misses(db_url)

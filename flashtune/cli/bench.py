@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from flashtune.cli._common import (
+    FiniteRange,
     clean_errors,
     console,
     db_option,
@@ -93,7 +94,7 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 
 @click.command("bench")
 @shape_options
-@click.option("--rep-ms", type=click.FloatRange(min=1), default=100.0, show_default=True,
+@click.option("--rep-ms", type=FiniteRange(min=1, max=60_000), default=100.0, show_default=True,
               help="do_bench repetition time per measurement.")
 @click.option("--interpret", is_flag=True,
               help="Run Triton's CPU interpreter (tests and demos; not GPU timings).")

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from flashtune.cli._common import clean_errors, db_option, write_atomically
+from flashtune.cli._common import clean_errors, db_option, read_input, write_atomically
 
 
 @click.command("export")
@@ -51,7 +51,7 @@ def import_(path: str, db_url: str | None, prefer: str) -> None:
     from flashtune.exceptions import ImportValidationError
 
     with clean_errors():
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        data = read_input(path, "an export file")
         try:
             validate_export(data)  # before the database is even opened
         except ImportValidationError as e:
@@ -72,27 +72,69 @@ def _show_entry(r: Any) -> dict[str, Any]:
     return e
 
 
+def _tflops(r: Any) -> str:
+    # Interpreter timings are CPU milliseconds: a TFLOP/s figure of them means nothing.
+    if r.device.capability == "cpu":
+        return "(interpreter)"
+    return f"{r.tflops:.1f}"
+
+
+def _results_table(results: list[Any]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="tuned results", title_justify="left")
+    for col, right in (("device", False), ("problem key", False), ("median ms", True),
+                       ("TFLOP/s", True), ("config", False), ("", False)):
+        table.add_column(col, justify="right" if right else "left")
+    for r in results:
+        cfg = " ".join(f"{k}={v}" for k, v in sorted(r.config.items()))
+        # Text, never markup: names come from imported files.
+        table.add_row(Text(r.device.name), Text(r.key.short()), f"{r.median_ms:.4g}",
+                      _tflops(r), Text(cfg), "STALE" if r.stale else "")
+    return table
+
+
+def _misses_table(misses: list[Any]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="dispatcher misses (most frequent first)", title_justify="left")
+    for col in ("count", "problem key", "example shape"):
+        table.add_column(col, justify="right" if col == "count" else "left")
+    for key, count, problem in misses:
+        table.add_row(str(count), Text(key.short()), Text(problem.label()))
+    return table
+
+
 @click.command("show")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of entries.")
 @click.option("--stale", is_flag=True, help="Include stale results (other software).")
-def show(db_url: str | None, as_json: bool, stale: bool) -> None:
-    """List the tuned results of the database (fresh ones unless --stale)."""
+@click.option("--misses", "show_misses", is_flag=True,
+              help="List the problems the dispatcher recorded as misses instead.")
+def show(db_url: str | None, as_json: bool, stale: bool, show_misses: bool) -> None:
+    """List the tuned results of the database (fresh ones unless --stale), or --misses."""
+    from flashtune.cli._common import console
     from flashtune.db import open_storage
 
     with clean_errors(), open_storage(db_url, read_only=True) as storage:
         results = storage.results()
         misses = storage.misses()
+    if show_misses:
+        if as_json:
+            click.echo(json.dumps([{"key": k.as_dict(), "count": n, "problem": p.as_dict()}
+                                   for k, n, p in misses], indent=2, sort_keys=True))
+        else:
+            console().print(_misses_table(misses))
+            click.echo(f"{len(misses)} missed problem keys", err=True)
+        return
     shown = [r for r in results if stale or not r.stale]
     if as_json:
         click.echo(json.dumps([_show_entry(r) for r in shown], indent=2, sort_keys=True))
         return
-    for r in shown:
-        cfg = " ".join(f"{k}={v}" for k, v in sorted(r.config.items()))
-        flag = "  STALE" if r.stale else ""
-        click.echo(f"{r.device.name:<20} {r.key.short():<52} {r.median_ms:10.4f} ms "
-                   f"{r.tflops:8.1f} TFLOP/s  {cfg}{flag}")
+    console().print(_results_table(shown))
     n_stale = sum(r.stale for r in results)
     hidden = "" if stale or not n_stale else " (hidden; --stale shows them)"
     click.echo(f"{len(results)} entries, {n_stale} stale{hidden}; "
-               f"{len(misses)} missed problem keys", err=True)
+               f"{len(misses)} missed problem keys (--misses lists them)", err=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 import click
 
 from flashtune.cli._common import (
+    FiniteRange,
     clean_errors,
     console,
     db_option,
@@ -168,11 +170,12 @@ def _summary(tasks: list[Any], interpreter: bool) -> Any:
 def _parse_gpus(gpus: str | None) -> list[str]:
     if gpus is None:
         return []
-    ids = [g.strip() for g in gpus.split(",") if g.strip()]
-    if not ids or not all(g.isdigit() for g in ids) or len(set(ids)) != len(ids):
+    ids = [g.strip() for g in gpus.split(",")]
+    if not all(g.isascii() and g.isdigit() and len(g) < 4 for g in ids) \
+            or len(set(map(int, ids))) != len(ids):
         raise click.BadParameter(f"expected distinct GPU indices like 0,1,2, got {gpus!r}",
                                  param_hint="--gpus")
-    return ids
+    return [str(int(g)) for g in ids]
 
 
 def _spawn_workers(gpus: list[str], sid: str, opts: Any, interpreter: bool,
@@ -187,8 +190,14 @@ def _spawn_workers(gpus: list[str], sid: str, opts: Any, interpreter: bool,
         spec = json.dumps({"sweep_id": sid, "label": f"gpu{g}", "options": asdict(opts)})
         log = logdir / f"worker-gpu{g}.log"
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-m", "flashtune.autotune.sweep", spec],
-                                 env=env, stdout=f, stderr=subprocess.STDOUT)
+            # The spec (with the database URL and its password) goes through stdin: argv
+            # is visible to every user in `ps`.
+            p = subprocess.Popen([sys.executable, "-m", "flashtune.autotune.sweep", "-"],
+                                 env=env, stdin=subprocess.PIPE, stdout=f,
+                                 stderr=subprocess.STDOUT)
+        assert p.stdin is not None
+        p.stdin.write(spec.encode())
+        p.stdin.close()
         procs.append((g, p, log))
     return procs
 
@@ -219,7 +228,7 @@ def _check_gpus(gpus: list[str]) -> Any:
 @click.option("--gpus", default=None, metavar="0,1,...",
               help="Run one worker process per listed GPU (CUDA_VISIBLE_DEVICES each).")
 @click.option("--retry-failed", is_flag=True, help="Tune again the problems that failed.")
-@click.option("--lease", type=click.FloatRange(min=1), default=120.0, show_default=True,
+@click.option("--lease", type=FiniteRange(min=1, max=86400), default=120.0, show_default=True,
               metavar="S", help="Seconds without a heartbeat before another worker takes a "
                                 "problem over.")
 @click.option("--interpret", is_flag=True,
@@ -234,8 +243,11 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
     Workers on many GPUs (--gpus) and hosts that are given the same shape set and the
     same PostgreSQL --db fill one sweep together: each problem is tuned once.
     """
-    interpreter = kernel_mode("sweep", interpret)
+    from flashtune.autotune.sweep import interrupt_on_sigterm
+
+    interrupt_on_sigterm()
     gpu_ids = _parse_gpus(gpus)
+    interpreter = kernel_mode("sweep", interpret)
     title, problems = shape_set(preset, shapes, from_misses, db_url)
     from flashtune.autotune.sweep import Options, prepare_optuna, run_worker
     from flashtune.db import open_storage, resolve_url
@@ -289,8 +301,16 @@ def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) ->
             for _, p, _ in procs:
                 p.wait()
         except KeyboardInterrupt:
-            for _, p, _ in procs:  # they got the SIGINT too; let them release their tasks
-                p.wait(timeout=30)
+            # A Ctrl-C reached them too, a `kill` of this process alone did not: pass it
+            # on, and let them release their tasks.
+            for _, p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            for _, p, _ in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
             raise
         bad = []
         for g, p, log in procs:
@@ -322,7 +342,9 @@ def _finish_sweep(sid: str, tasks: list[Any], device: Any, interpreter: bool, as
         click.echo(line, err=True)
     if interrupted:
         click.echo("interrupted: run the same command again to resume", err=True)
-        sys.exit(130)
+        from flashtune.autotune.sweep import interrupted_status
+
+        sys.exit(interrupted_status())
     if n["failed"] or failures:
         raise click.ClickException(
             f"{n['failed']} problem(s) failed (see the note column); rerun with --retry-failed "

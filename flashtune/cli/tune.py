@@ -15,7 +15,25 @@ from typing import Any
 
 import click
 
-from flashtune.cli._common import clean_errors, db_option, search_options
+from flashtune.cli._common import (
+    SECONDS,
+    SEED,
+    SIZE,
+    TRIALS,
+    FiniteRange,
+    clean_errors,
+    db_option,
+    search_options,
+    where,
+)
+
+WINDOW_BOUND = click.IntRange(min=-1)
+
+
+def _head_dim(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value % 8:
+        raise click.BadParameter(f"{value} is not a multiple of 8 (allowed: 16, 24, ... 256).")
+    return value
 
 
 def _progress(ev: dict[str, Any]) -> None:
@@ -37,26 +55,28 @@ def _progress(ev: dict[str, Any]) -> None:
 @click.option("--interpret", is_flag=True,
               help="Run under Triton's CPU interpreter (for tests; timings are not GPU timings).")
 @db_option
-@click.option("--batch", type=int, required=True)
-@click.option("--heads", type=int, required=True, help="Query heads.")
-@click.option("--kv-heads", type=int, default=None, help="Key/value heads (default: --heads).")
-@click.option("--seqlen", type=int, required=True, help="Query length.")
-@click.option("--seqlen-k", type=int, default=None, help="Key length (default: --seqlen).")
-@click.option("--head-dim", type=int, required=True)
+@click.option("--batch", type=SIZE, required=True)
+@click.option("--heads", type=SIZE, required=True, help="Query heads.")
+@click.option("--kv-heads", type=SIZE, default=None, help="Key/value heads (default: --heads).")
+@click.option("--seqlen", type=SIZE, required=True, help="Query length.")
+@click.option("--seqlen-k", type=SIZE, default=None, help="Key length (default: --seqlen).")
+@click.option("--head-dim", type=click.IntRange(16, 256), required=True, callback=_head_dim,
+              help="A multiple of 8 from 16 to 256.")
 @click.option("--dtype", type=click.Choice(["fp16", "bf16"]), default="bf16", show_default=True)
 @click.option("--causal", is_flag=True)
-@click.option("--window", type=(int, int), default=(-1, -1), metavar="LEFT RIGHT",
-              help="Sliding window (-1 = unbounded).")
-@click.option("--softcap", type=float, default=0.0)
+@click.option("--window", type=(WINDOW_BOUND, WINDOW_BOUND), default=(-1, -1),
+              metavar="LEFT RIGHT", help="Sliding window (-1 = unbounded).")
+@click.option("--softcap", type=FiniteRange(min=0), default=0.0,
+              help="Soft-capping of the scores (0 = off).")
 @search_options("Candidates to measure per direction (a resumed study's count included).",
                 "Seconds per direction.")
-@click.option("--patience", type=click.IntRange(min=1), default=None,
+@click.option("--patience", type=TRIALS, default=None,
               help="Stop after this many trials without improvement.")
-@click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--trial-timeout", type=SECONDS, default=None,
               metavar="S", help="Seconds one candidate may take before its worker is killed.")
-@click.option("--compile-workers", type=click.IntRange(min=0), default=None,
+@click.option("--compile-workers", type=click.IntRange(min=0, max=1024), default=None,
               help="Processes compiling upcoming candidates (GPU only).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="No per-trial progress on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_heads: int | None,
@@ -71,12 +91,15 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
     from flashtune.kernels.config import config_to_dict
     from flashtune.problem import Problem
 
+    if heads % (kv_heads or heads):
+        raise click.UsageError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} "
+                               "(grouped-query attention)")
     try:
         problem = Problem(batch=batch, heads_q=heads, heads_kv=kv_heads or heads,
                           seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
                           dtype=dtype, causal=causal, window=window, softcap=softcap)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        raise click.UsageError(str(e)) from None
     with clean_errors():
         res = tune(problem, direction, trials=trials, time_budget=time_budget,
                    storage=db_url, interpret=interpret or None, patience=patience,
@@ -84,8 +107,10 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
                    progress=None if quiet else _progress)
     results = res if isinstance(res, dict) else {direction: res}
     if as_json:
-        click.echo(json.dumps({d: r.as_dict() for d, r in results.items()}, indent=2,
-                              sort_keys=True, default=str))
+        # The storage URL is shown without its password, here as everywhere.
+        click.echo(json.dumps({d: r.as_dict() | {"storage_url": where(r.storage_url)}
+                               for d, r in results.items()}, indent=2, sort_keys=True,
+                              default=str))
         return
     for d, r in results.items():
         label = " (interpreter timings)" if r.interpreter else ""
@@ -99,5 +124,5 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
                    f"{r.pruned} pruned), {r.infeasible} infeasible; stopped: {r.stop_reason}; "
                    f"{r.search_seconds:.1f} s")
         click.echo(f"  stored   {'yes' if r.stored else 'no (a faster result was kept)'} in "
-                   f"{r.storage_url}; study {r.study_name}")
+                   f"{where(r.storage_url)}; study {r.study_name}")
 

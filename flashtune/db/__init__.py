@@ -43,6 +43,10 @@ def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
     if url is None:
         url = database_url() or default_path()
     text = os.fspath(url)
+    if not text.strip():
+        from flashtune.exceptions import StorageError
+
+        raise StorageError("the database path or URL is empty")
     if "://" not in text:
         return "sqlite:///" + str(Path(text).expanduser().absolute())
     for plain in ("postgresql://", "postgres://"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -92,6 +93,13 @@ def tasks_for(problems: Sequence[Problem], directions: Sequence[str]
         for d in directions:
             seen.setdefault(p.key(d), p)
     return list(seen.items())
+
+
+def check_lease(lease_s: float) -> None:
+    """A lease must be finite and positive: with NaN no expiry is stored, and a dead
+    worker's task is never taken over."""
+    if not (isinstance(lease_s, (int, float)) and math.isfinite(lease_s) and lease_s > 0):
+        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
 
 
 class Board:
@@ -177,6 +185,7 @@ class Board:
     def claim(self, sid: str, worker: str, *, lease_s: float = DEFAULT_LEASE_S,
               retry_failed: bool = False) -> Task | None:
         """Atomically take the next free task of sweep ``sid`` for ``worker`` (or None)."""
+        check_lease(lease_s)
         from sqlalchemy import and_, or_, select, update
 
         c = self.claims

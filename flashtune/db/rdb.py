@@ -120,6 +120,8 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None)
         wal = False
     else:
         path = Path(db)
+        if path.is_dir():
+            raise StorageError(f"{path}: is a directory, not a database file")
         if read_only:
             if not path.is_file():
                 raise DatabaseMissingError(f"{path}: no such database (opened read-only)")
@@ -212,6 +214,16 @@ class RDBStorage(Storage):
                 else parsed.render_as_string(hide_password=True)
         except ArgumentError:
             raise StorageError(f"{url!r} is not a database path or SQLAlchemy URL") from None
+        if parsed.get_backend_name() == "sqlite" and "mode" in parsed.query:
+            # SQLite's own URI parameter: honour mode=ro (read-only), refuse the others
+            # (pysqlite would ignore them with a warning, and then write).
+            mode = parsed.query["mode"]
+            if mode != "ro":
+                raise StorageError(f"{self._where}: mode={mode!r} is not supported; use "
+                                   "mode=ro for read-only, or no mode")
+            read_only = self.read_only = True
+            url = parsed.difference_update_query(["mode"]).render_as_string(
+                hide_password=False)
         try:
             self.engine = _create_engine(url, read_only, busy_timeout)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:

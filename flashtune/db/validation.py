@@ -112,7 +112,8 @@ def _str(v: Any, name: str, max_len: int, *, empty: bool = False) -> str:
         raise Bad(name, "must not be empty")
     if len(v) > max_len:
         raise Bad(name, f"is {len(v)} characters long; allowed: at most {max_len}")
-    if any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in v):
+    # C0, DEL, C1 (U+0080-U+009F: terminal escapes too) and lone surrogates.
+    if any(ord(c) < 32 or 127 <= ord(c) <= 159 or 0xD800 <= ord(c) <= 0xDFFF for c in v):
         raise Bad(name, "contains control characters or invalid unicode; allowed: text")
     return v
 
@@ -197,7 +198,11 @@ def _created_at(v: Any) -> str:
         raise Bad("created_at", f"{show(s)} is not an ISO-8601 time") from None
     if t.tzinfo is None:
         raise Bad("created_at", f"{show(s)} has no time zone; allowed: ISO-8601 with offset")
-    return t.astimezone(timezone.utc).isoformat(timespec="microseconds")
+    try:  # 0001-01-01T00:00:00+01:00 is before year 1 in UTC
+        return t.astimezone(timezone.utc).isoformat(timespec="microseconds")
+    except OverflowError:
+        raise Bad("created_at", f"{show(s)} is out of range in UTC; allowed: years 1 to "
+                  "9999") from None
 
 
 def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
