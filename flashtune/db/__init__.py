@@ -32,9 +32,20 @@ def __getattr__(name: str) -> Any:
 
 
 def default_path() -> Path:
-    """``$XDG_CACHE_HOME/flashtune/tuning.db``, or ``~/.cache/flashtune/tuning.db``."""
-    cache = cache_home()
-    return Path(cache) / "flashtune" / "tuning.db"
+    """Where the tuning database lives when neither ``--db`` nor ``FLASHTUNE_DB`` says.
+
+    The user data directory (``platformdirs.user_data_dir``: ``$XDG_DATA_HOME/flashtune``
+    or ``~/.local/share/flashtune`` on Linux, ``~/Library/Application Support/flashtune``
+    on macOS, ``%LOCALAPPDATA%\\flashtune`` on Windows): tuning results are expensive data,
+    not a cache a cleaner may delete. A database at the location of flashtune <= 0.1
+    (``$XDG_CACHE_HOME/flashtune/tuning.db``, else ``~/.cache/...``) is kept in use while
+    there is none at the new one, so no one loses results by upgrading.
+    """
+    import platformdirs
+
+    new = Path(platformdirs.user_data_dir("flashtune", appauthor=False)) / "tuning.db"
+    legacy = Path(cache_home()) / "flashtune" / "tuning.db"
+    return legacy if legacy.is_file() and not new.exists() else new
 
 
 def resolve_url(url: str | os.PathLike[str] | None = None) -> str:

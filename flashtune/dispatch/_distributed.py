@@ -105,5 +105,10 @@ def sync_table(local: Table) -> Table:
 
 
 def records_misses() -> bool:
+    """Whether this process records dispatcher misses: not with ``FLASHTUNE_RECORD_MISSES=0``
+    (a read-only training job), and under torch.distributed on rank 0 only (one writer per
+    job: the ranks share their decisions)."""
+    if is_set("FLASHTUNE_RECORD_MISSES") and not flag("FLASHTUNE_RECORD_MISSES"):
+        return False
     d = dist_group()
-    return d is None or d.rank == 0  # one writer per job: the ranks share their decisions
+    return d is None or d.rank == 0

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import random
 import sqlite3
+import sys
 
 import pytest
 
@@ -256,11 +257,25 @@ def test_bad_urls_are_storage_errors(db_url: str) -> None:
 def test_location_defaults(db_url: str, tmp_path: os.PathLike[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLASHTUNE_DB", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", os.fspath(tmp_path))
-    expect = os.path.join(tmp_path, "flashtune", "tuning.db")
-    assert resolve_url() == "sqlite:///" + expect
+    monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(tmp_path, "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", os.path.join(tmp_path, "data"))
+    if sys.platform.startswith("linux"):
+        expect = os.path.join(tmp_path, "data", "flashtune", "tuning.db")
+        assert resolve_url() == "sqlite:///" + expect
+    expect = resolve_url()[len("sqlite:///"):]
     open_storage().close()
     assert os.path.isfile(expect)
+
+
+@pytest.mark.parametrize("db_url", ["memory"], indirect=True)
+def test_a_database_at_the_old_default_location_stays_in_use(
+        db_url: str, tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(tmp_path, "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", os.path.join(tmp_path, "data"))
+    old = os.path.join(tmp_path, "cache", "flashtune", "tuning.db")
+    open_storage(old).close()
+    assert resolve_url() == "sqlite:///" + old  # the user's results are not left behind
     monkeypatch.setenv("FLASHTUNE_DB", "postgresql://u@h/db")
     assert resolve_url() == "postgresql+psycopg://u@h/db"
     assert resolve_url("rel.db") == "sqlite:///" + os.path.abspath("rel.db")

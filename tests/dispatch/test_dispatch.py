@@ -184,6 +184,14 @@ def test_each_miss_logged_once_and_recorded(db, device, seed, caplog):
     assert misses[0][2].seqlen_q in (20, 24)
 
 
+def test_miss_recording_can_be_turned_off(db, device, seed, monkeypatch):
+    monkeypatch.setenv("FLASHTUNE_RECORD_MISSES", "0")  # a read-only training job
+    call(prob(seqlen_q=24, seqlen_k=24), device)
+    dispatch.flush_misses(30)
+    with open_storage(db, read_only=True) as st:
+        assert st.misses() == []
+
+
 def test_strict_mode_raises_on_a_miss(db, device, seed, monkeypatch):
     monkeypatch.setenv("FLASHTUNE_STRICT", "1")
     p = prob()
