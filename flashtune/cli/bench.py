@@ -125,6 +125,11 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         finally:
             if storage is not None:
                 storage.close()
+    if not any(row["tflops"] for row in rows):
+        for e in errors[:20]:
+            click.echo(f"failed {e}", err=True)
+        raise click.ClickException("every implementation failed on every shape: nothing "
+                                   "was measured")
     names = sorted({r for row in rows for r in row["ratios"]})
     summary = {kind: {n: geomean([row["ratios"][n] for row in rows
                                   if row["timing"] == kind and n in row["ratios"]])

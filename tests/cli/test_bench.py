@@ -55,3 +55,32 @@ def test_bench_compares_tuned_with_default(tmp_path: Path) -> None:
 def test_bench_unknown_preset_is_a_usage_error() -> None:
     res = CliRunner().invoke(main, ["bench", "--interpret", "--preset", "llama5"])
     assert res.exit_code == 2 and "llama5" in res.stderr and "Traceback" not in res.output
+
+
+def test_bench_interpret_without_triton_interpret_in_the_environment(tmp_path: Path) -> None:
+    """--interpret alone must do: CI exports TRITON_INTERPRET for the whole run, users don't."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "flashtune.cli", "bench", "--interpret", "--json",
+                        "--rep-ms", "1", "--shapes", _shapes(tmp_path),
+                        "--db", str(tmp_path / "none.db")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["errors"] == [] and all(row["tflops"]["default"] > 0 for row in doc["rows"])
+
+
+def test_bench_fails_when_nothing_could_be_measured(tmp_path: Path, monkeypatch) -> None:
+    import flashtune.timing
+
+    def broken(*a, **kw):
+        raise RuntimeError("cannot run")
+
+    monkeypatch.setattr(flashtune.timing, "three_timings", broken)
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 1 and "every implementation failed" in res.stderr
+    assert "Traceback" not in res.output
