@@ -178,17 +178,24 @@ _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number
 _received: list[str] = []
 
 
-def interrupt_on_sigterm() -> None:
+def interrupt_on_sigterm() -> Callable[[], None]:
     """Handle SIGTERM (Slurm, Kubernetes, ``kill``) as SIGINT: a KeyboardInterrupt in the
-    main thread, so the task in hand goes back to pending and the process exits cleanly."""
+    main thread, so the task in hand goes back to pending and the process exits cleanly.
+    Returns a function that puts the previous handlers back."""
     import signal
 
     def handler(signum: int, frame: Any) -> None:
         _received.append(signal.Signals(signum).name)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    _received.clear()
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
 
 
 def interrupted_status() -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from flashtune.cli._common import clean_errors, db_option, write_atomically
+from flashtune.cli._common import clean_errors, db_option, read_input, write_atomically
 
 
 def _curves(url: str, device: str | None) -> list[dict[str, Any]]:
@@ -111,9 +111,9 @@ def build(db_url: str | None, out_dir: Path, *, bench: dict[str, Any] | None = N
                                    gridspec_kw={"height_ratios": [3, 2]})
     width = 0.8 / max(len(series), 1)
     for i, (name, ys) in enumerate(series.items()):
-        ax1.bar([x + i * width for x in range(len(labels))], ys, width, label=name)
+        ax1.bar([x + i * width for x in range(len(labels))], ys, width, label=_plain(name))
     ax1.set_xticks([x + (len(series) - 1) * width / 2 for x in range(len(labels))])
-    ax1.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax1.set_xticklabels([_plain(x) for x in labels], rotation=60, ha="right", fontsize=7)
     ax1.set_ylabel(unit)
     source = "autotune bench" if bench else "tuned results in the database"
     ax1.set_title(f"TFLOP/s per shape ({source})")
@@ -122,7 +122,8 @@ def build(db_url: str | None, out_dir: Path, *, bench: dict[str, Any] | None = N
     elif series:
         ax1.legend(fontsize=8)
     for c in curves:
-        ax2.plot(c["trials"], c["best_tflops"], marker=".", linewidth=1, label=c["label"])
+        ax2.plot(c["trials"], c["best_tflops"], marker=".", linewidth=1,
+                 label=_plain(c["label"]))
     ax2.set_xlabel("measured trials")
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_ylabel(f"best {unit}")
@@ -186,6 +187,48 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}td:first-child{{t
 """
 
 
+def _plain(text: str) -> str:
+    """A label matplotlib draws as it is: ``$`` would start mathtext (and a device name such
+    as ``$\\frac`` would end the report in a parse error)."""
+    return str(text).replace("$", r"\$")
+
+
+_TIMINGS = ("fwd", "bwd", "infer")
+
+
+def validate_bench(doc: Any) -> dict[str, Any]:
+    """Check an ``autotune bench --json`` document; ValueError naming the first bad field."""
+    def number(v: Any, where: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"{where}: expected a finite number >= 0, got {v!r:.60}")
+
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected an object, got {type(doc).__name__}")
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        raise ValueError(f"rows: expected an array, got {type(rows).__name__}")
+    for name, kind in (("device", dict), ("software", dict), ("interpreter", bool),
+                       ("date", str)):
+        if name in doc and not isinstance(doc[name], kind):
+            raise ValueError(f"{name}: expected {kind.__name__}, got {type(doc[name]).__name__}")
+    if isinstance(doc.get("device"), dict) and not isinstance(doc["device"].get("name", ""), str):
+        raise ValueError("device.name: expected a string")
+    for i, row in enumerate(rows):
+        where = f"rows[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
+        if not isinstance(row.get("shape"), str):
+            raise ValueError(f"{where}.shape: expected a string")
+        if row.get("timing") not in _TIMINGS:
+            raise ValueError(f"{where}.timing: expected one of {', '.join(_TIMINGS)}")
+        tf = row.get("tflops")
+        if not isinstance(tf, dict):
+            raise ValueError(f"{where}.tflops: expected an object of implementation: TFLOP/s")
+        for name, v in tf.items():
+            number(v, f"{where}.tflops.{name}")
+    return doc
+
+
 @click.command("report")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="flashtune-report",
               show_default=True, help="Folder for report.png and report.html.")
@@ -202,9 +245,7 @@ def report(out_dir: str, bench_file: str | None, device: str | None,
         bench_doc = None
         if bench_file:
             try:
-                bench_doc = json.loads(Path(bench_file).read_text())
-                if not isinstance(bench_doc, dict) or "rows" not in bench_doc:
-                    raise ValueError("no 'rows'")
+                bench_doc = validate_bench(json.loads(read_input(bench_file, "a bench file")))
             except ValueError as e:
                 raise click.ClickException(
                     f"{bench_file}: not `autotune bench --json` output ({e})") from None

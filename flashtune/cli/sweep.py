@@ -245,7 +245,18 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
     """
     from flashtune.autotune.sweep import interrupt_on_sigterm
 
-    interrupt_on_sigterm()
+    restore = interrupt_on_sigterm()
+    try:
+        _sweep(preset, shapes, from_misses, direction, trials, time_budget, gpus,
+               retry_failed, lease, interpret, db_url, as_json)
+    finally:
+        restore()
+
+
+def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: str,
+           trials: int | None, time_budget: float | None, gpus: str | None,
+           retry_failed: bool, lease: float, interpret: bool, db_url: str | None,
+           as_json: bool) -> None:
     gpu_ids = _parse_gpus(gpus)
     interpreter = kernel_mode("sweep", interpret)
     title, problems = shape_set(preset, shapes, from_misses, db_url)

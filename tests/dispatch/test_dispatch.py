@@ -62,7 +62,8 @@ def put(db: str | os.PathLike[str], p: Problem, direction: str, config, *,
     with open_storage(db) as st:
         st.put_result(device_info(), software or software_info(), p.key(direction),
                       config_to_dict(config), median_ms=median_ms, p20_ms=median_ms * 0.9,
-                      p80_ms=median_ms * 1.1, tflops=1.0, max_error=1e-3, trials=4,
+                      p80_ms=median_ms * 1.1, tflops=p.flops(direction) / (median_ms * 1e9),
+                      max_error=1e-3, trials=4,
                       search_seconds=1.0, problem=p)
 
 
