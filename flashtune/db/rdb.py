@@ -321,7 +321,12 @@ class RDBStorage(Storage):
                 search_seconds=row.search_seconds, host=row.host,
                 created_at=_utc(row.created_at).isoformat(timespec="microseconds"),
                 flashtune_version=row.flashtune_version)
-        except (ValueError, TypeError, KeyError) as e:
+            # Every column as an import would be checked: SQLite stores any value in any
+            # column, and one bad cell ('fast' as a median) must cost its row, not the read.
+            if not isinstance(r.config, dict):
+                raise ValueError(f"config is not an object: {row.config_json[:40]!r}")
+            check_result(r)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             log.warning("flashtune: %s: skipping corrupt result row %s: %s",
                         self._where, row.id, e)
             return None
