@@ -71,17 +71,18 @@ def get_config_resolver() -> Resolver:
 # ----------------------------------------------------------------------------- validation
 
 
-def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_size: Any,
-             softcap: Any) -> tuple[float, tuple[int, int], float]:
-    """Check the public arguments; return (scale, window, softcap) normalised.
-
-    Raises TypeError / ValueError naming the argument and the offending value.
-    """
+def check_tensors(q: Any, k: Any, v: Any, axes: str, where: str = "") -> None:
+    """The checks every entry point shares. q, k and v are fp16/bf16 tensors of one dtype,
+    of rank len(axes) (``axes`` names the dimensions, heads second and head_dim last), on
+    one device flashtune can use; k and v share a shape; q's head dim equals k's, is
+    supported, and q's heads are a multiple of k's (GQA/MQA). TypeError / ValueError name
+    the argument and the value; ``where`` names the entry point in the rank message."""
+    ndim = axes.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seqlen, head_dim), "
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {axes}{where}, "
                              f"got shape {tuple(t.shape)} ({t.dim()}-D)")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
@@ -95,18 +96,29 @@ def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_siz
                          "tensors to a CUDA device otherwise")
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"q.device must be a CUDA device, got {q.device}")
-    b, hq, sq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)} v {tuple(v.shape)}")
-    bk, hk, sk, dk = k.shape
-    if bk != b:
-        raise ValueError(f"k.shape[0] (batch) = {bk} must equal q.shape[0] = {b}")
+    d, dk, hq, hk = q.shape[-1], k.shape[-1], q.shape[1], k.shape[1]
     if dk != d:
-        raise ValueError(f"k.shape[3] (head_dim) = {dk} must equal q.shape[3] = {d}")
+        raise ValueError(f"k.shape[{ndim - 1}] (head_dim) = {dk} must equal "
+                         f"q.shape[{ndim - 1}] = {d}")
     if not head_dim_ok(d):
         raise ValueError(f"head_dim = {d} is not supported: use {HEAD_DIMS}")
     if hk < 1 or hq % hk:
         raise ValueError(f"q heads = {hq} must be a multiple of k/v heads = {hk} (GQA/MQA)")
+
+
+def validate(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_size: Any,
+             softcap: Any) -> tuple[float, tuple[int, int], float]:
+    """Check the public arguments; return (scale, window, softcap) normalised.
+
+    Raises TypeError / ValueError naming the argument and the offending value.
+    """
+    check_tensors(q, k, v, "(batch, heads, seqlen, head_dim)")
+    b, hq, sq, d = q.shape
+    bk, hk, sk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k.shape[0] (batch) = {bk} must equal q.shape[0] = {b}")
     if b < 1 or sq < 1 or sk < 1:
         raise ValueError(f"batch, seqlen_q and seqlen_k must be >= 1, got batch={b}, "
                          f"seqlen_q={sq}, seqlen_k={sk}")

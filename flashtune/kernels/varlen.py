@@ -20,9 +20,8 @@ import torch
 
 from flashtune._env import dtype_name
 from flashtune.kernels.attention import (
-    _DTYPES,
-    _INTERPRET,
     _encode,
+    check_tensors,
     split_config,
     validate_deterministic,
     validate_options,
@@ -36,7 +35,7 @@ from flashtune.kernels.config import (
     check_fwd,
     default_config,
 )
-from flashtune.problem import HEAD_DIMS, Problem, head_dim_ok
+from flashtune.problem import Problem
 
 ProblemResolver = Callable[[str, Problem, torch.device], "FwdConfig | BwdConfig"]
 
@@ -76,18 +75,7 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
     The prefix sums' values are not read (that would sync with the device): they must start
     at 0, never decrease, and end at total_q / total_k; ``max_seqlen_*`` must be at least the
     longest sequence (longer only costs empty programs)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for "
-                             f"flash_attn_varlen_func, got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)} v {tuple(v.shape)}")
+    check_tensors(q, k, v, "(total_tokens, heads, head_dim)", " for flash_attn_varlen_func")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) \
@@ -103,19 +91,6 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
             raise ValueError(f"{name} must be an int >= 0, got {m!r}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and not _INTERPRET:
-        raise ValueError("q is a CPU tensor: CPU tensors run only under Triton's interpreter "
-                         "(set TRITON_INTERPRET=1 before importing flashtune); move the "
-                         "tensors to a CUDA device otherwise")
-    d, hq, hk = q.shape[2], q.shape[1], k.shape[1]
-    if k.shape[2] != d:
-        raise ValueError(f"k.shape[2] (head_dim) = {k.shape[2]} must equal q.shape[2] = {d}")
-    if not head_dim_ok(d):
-        raise ValueError(f"head_dim = {d} is not supported: use {HEAD_DIMS}")
-    if hk < 1 or hq % hk:
-        raise ValueError(f"q heads = {hq} must be a multiple of k/v heads = {hk} (GQA/MQA)")
     if q.shape[0] < 1 or k.shape[0] < 1:
         raise ValueError(f"total_q and total_k must be >= 1, got {q.shape[0]} and {k.shape[0]}")
 
