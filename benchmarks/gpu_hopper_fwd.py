@@ -1,10 +1,10 @@
 """Bring-up check of the Gluon Hopper forward on an sm90 GPU: correctness, then speed.
 
-Standalone on purpose: it loads ``flashtune/kernels/attn_fwd_hopper.py`` and
-``reference.py`` by path, so it runs on the GPU host with only torch and triton 3.6,
-whatever state the rest of the package is in. Each correctness case is compared with the
-fp32 reference under the 2x rule (twice PyTorch's own low-precision error, plus a small
-atol), for O and the LSE. Timings are do_bench medians next to cuDNN in the same process.
+It calls the Hopper launcher directly (no dispatcher, no database), with the configs
+given as plain namespaces, so it needs only torch and triton 3.6 on the GPU host. Each
+correctness case is compared with the fp32 reference under the 2x rule (twice PyTorch's
+own low-precision error, plus a small atol), for O and the LSE. Timings are do_bench
+medians next to cuDNN in the same process.
 
     timeout 600 python benchmarks/gpu_hopper_fwd.py --out result.json [--quick]
 """
@@ -12,7 +12,6 @@ atol), for O and the LSE. Timings are do_bench medians next to cuDNN in the same
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -29,26 +28,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def load_kernels() -> tuple[types.ModuleType, types.ModuleType]:
-    if "flashtune.kernels.config" not in sys.modules:
-        for pkg in ("flashtune", "flashtune.kernels"):
-            m = types.ModuleType(pkg)
-            m.__path__ = []  # type: ignore[attr-defined]
-            sys.modules.setdefault(pkg, m)
-        cfg = types.ModuleType("flashtune.kernels.config")
-        cfg.FwdConfig = SimpleNamespace  # type: ignore[attr-defined]
-        sys.modules["flashtune.kernels.config"] = cfg
-    hop = _load("flashtune.kernels.attn_fwd_hopper", ROOT / "flashtune/kernels/attn_fwd_hopper.py")
-    ref = _load("flashtune.kernels.reference", ROOT / "flashtune/kernels/reference.py")
+    sys.path.insert(0, str(ROOT))
+    import flashtune.kernels.attn_fwd_hopper as hop
+    import flashtune.kernels.reference as ref
+
     return hop, ref
 
 

@@ -38,21 +38,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtune.kernels._masking import _inner_range
+from flashtune.kernels.attn_fwd import _tanh as _portable_tanh
 from flashtune.kernels.config import FwdConfig
 
 ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-@gluon.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating cleanly to +-1. Near 0 that cancels to
-    # ~1e-7 absolute and flattens the scores under a large softcap; there the odd series
-    # x - x^3/3 + 2x^5/15 keeps fp32 precision (same rule as the portable kernels' _tanh).
-    far = 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
-    x2 = x * x
-    near = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))  # 1/3, 2/15
-    return gl.where(gl.abs(x) < 0.125, near, far)
+# The portable kernels' scalar and elementwise helpers, compiled as Gluon: one copy of the
+# visibility rule and of the precise tanh. _inner_range gives the key tiles [lo, hi) that
+# query rows [start, start + BLOCK_M) can see and the unmasked middle run [full_lo, full_hi).
+_tanh = gluon.jit(_portable_tanh.fn)
+_kv_range = gluon.jit(_inner_range.fn)
 
 
 @gluon.jit
@@ -70,33 +68,6 @@ def _tile_coords(tile, n_m, bh_total, ORDER: gl.constexpr):
         else:
             m_blk = tile % n_m
     return bh, m_blk
-
-
-@gluon.jit
-def _kv_range(q_start, seq_k, offset, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Key tiles [lo, hi) that query rows [q_start, q_start + BLOCK_M) can see, and the
-    unmasked middle run [full_lo, full_hi). Same rule as the portable kernels' _inner_range."""
-    last = q_start + BLOCK_M - 1
-    hi = seq_k
-    if MASK_RIGHT:
-        hi = gl.minimum(hi, last + offset + right + 1)
-    hi = gl.maximum(hi, 0)
-    hi = gl.cdiv(hi, BLOCK_N) * BLOCK_N
-    lo = 0
-    if MASK_LEFT:
-        lo = gl.maximum(q_start + offset - left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    lo = gl.minimum(lo, hi)
-    full_hi = (seq_k // BLOCK_N) * BLOCK_N
-    if MASK_RIGHT:
-        full_hi = gl.minimum(full_hi, ((q_start + offset + right + 1) // BLOCK_N) * BLOCK_N)
-    full_lo = lo
-    if MASK_LEFT:
-        full_lo = gl.maximum(full_lo, gl.cdiv(last + offset - left, BLOCK_N) * BLOCK_N)
-    full_lo = gl.minimum(full_lo, hi)
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
 
 
 @gluon.jit

@@ -27,6 +27,7 @@ CASES = [
     (1, 2, 2, 333, 517, 128, "bf16", False, (100, 20), 0.0, "bhsd"),   # window
     (1, 2, 2, 700, 700, 64, "bf16", True, (50, -1), 0.0, "bshd"),      # causal + window
     (1, 4, 2, 250, 250, 128, "bf16", True, (-1, -1), 30.0, "bhsd"),    # softcap
+    (1, 4, 2, 250, 250, 64, "bf16", False, (-1, -1), 1e5, "bhsd"),     # softcap, tanh near 0
     (2, 4, 2, 1, 77, 128, "fp16", False, (-1, -1), 5.0, "bhsd"),       # one query row
     (2, 4, 2, 77, 1, 64, "bf16", True, (-1, -1), 0.0, "bhsd"),         # one key
     (1, 2, 2, 64, 300, 128, "bf16", False, (0, 0), 0.0, "bhsd"),       # diagonal only
