@@ -1,4 +1,5 @@
-"""Block-range arithmetic shared by the forward and backward kernels.
+"""Block-range arithmetic and the soft-capping tanh, shared by every kernel (the Hopper
+kernels compile the same functions as Gluon).
 
 Visibility rule (flash-attn >= 2.1, bottom-right aligned): with ``offset = Sk - Sq``,
 query row ``i`` sees key ``j`` iff ``i + offset - left <= j <= i + offset + right``,
@@ -55,3 +56,15 @@ def _visible(rows, cols, n_rows, n_cols, offset, left, right,
     if MASK_RIGHT:
         vis = vis & (cols[None, :] <= rows[:, None] + offset + right)
     return vis
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 (exp2 -> inf or 0). Near 0 it
+    # cancels (1 - ~1) to ~1e-7 absolute, which flattens the scores under a large softcap
+    # (tiny x): there the odd series x - x^3/3 + 2x^5/15 holds fp32 precision (the next
+    # term, 17x^7/315, is below 2.1e-7 |x| for |x| < 1/8).
+    far = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
+    x2 = x * x
+    near = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))  # 1/3, 2/15
+    return tl.where(tl.abs(x) < 0.125, near, far)

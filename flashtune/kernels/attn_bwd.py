@@ -20,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtune.kernels._masking import _inner_range, _visible
+from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.attn_fwd import (
     Packed,
     _load_rows,
     _lse_row,
     _seq_bounds,
-    _tanh,
     kernel_strides,
     launch_options,
     mask_params,

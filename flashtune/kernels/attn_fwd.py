@@ -23,22 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtune.kernels._masking import _inner_range, _visible
+from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.config import HOPPER, FwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 (exp2 -> inf or 0). Near 0 it
-    # cancels (1 - ~1) to ~1e-7 absolute, which flattens the scores under a large softcap
-    # (tiny x): there the odd series x - x^3/3 + 2x^5/15 holds fp32 precision (the next
-    # term, 17x^7/315, is below 2.1e-7 |x| for |x| < 1/8).
-    far = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln(2)
-    x2 = x * x
-    near = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))  # 1/3, 2/15
-    return tl.where(tl.abs(x) < 0.125, near, far)
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.kernels._masking import _inner_range
-from flashtune.kernels.attn_fwd import _tanh as _portable_tanh
+from flashtune.kernels._masking import _tanh as _portable_tanh
 from flashtune.kernels.config import FwdConfig
 
 ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
