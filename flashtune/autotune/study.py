@@ -117,18 +117,33 @@ def open_study(name: str, url: str, owner: Any, sampler: Any, attrs: dict[str, A
     return study
 
 
+_TUNER = "tuner:"  # study attribute prefix: one entry per tuner process that used the study
+
+
 def recover(study: Any) -> int:
-    """Fail trials left RUNNING by a tuner on this host that no longer exists (kill -9)."""
+    """Fail trials left RUNNING by a tuner on this host that no longer exists (kill -9),
+    then register this process as one of the study's tuners.
+
+    A trial is asked (made RUNNING) before its tuner's pid can be written to it, so a kill
+    in between leaves a RUNNING trial with no pid. Such a trial is abandoned too when every
+    tuner that ever used the study ran on this host and none of them is alive."""
+    import os
+
     from optuna.trial import TrialState
 
-    host, n = socket.gethostname(), 0
+    host, me, n = socket.gethostname(), os.getpid(), 0
+    tuners = [k[len(_TUNER):].rsplit(":", 1) for k in study.user_attrs if k.startswith(_TUNER)]
+    nobody_else = all(h == host and (int(pid) == me or not pid_alive(int(pid)))
+                      for h, pid in tuners)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get("pid")
-        if t.user_attrs.get("host") == host and pid and not pid_alive(int(pid)):
+        if (t.user_attrs.get("host") == host and pid and not pid_alive(int(pid))) \
+                or (pid is None and nobody_else):
             study._storage.set_trial_user_attr(t._trial_id, "error",
                                                "abandoned: the tuner process died")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             n += 1
+    study.set_user_attr(f"{_TUNER}{host}:{me}", time.time())
     return n
 
 

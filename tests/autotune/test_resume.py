@@ -84,3 +84,25 @@ def test_sigint_then_kill9_then_resume(tmp_path) -> None:
                       dtype="fp16")
     with open_storage(db) as st:
         assert st.get_result(device_info(), software_info(), problem.key("fwd")) is not None
+
+
+def test_recover_fails_a_running_trial_killed_before_it_named_its_tuner() -> None:
+    """A kill -9 between asking a trial and writing its pid leaves a RUNNING trial with no
+    pid. It is failed when no other tuner of the study is alive, and kept while one is."""
+    from flashtune.autotune.study import recover
+
+    study = optuna.create_study()
+    orphan = study.ask()  # RUNNING, no host or pid: its tuner died right after asking
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+
+        study.set_user_attr(f"tuner:{socket.gethostname()}:{live.pid}", 0.0)
+        assert recover(study) == 0  # another tuner is alive: the trial may be its own
+        assert study.trials[orphan.number].state == TrialState.RUNNING
+    finally:
+        live.kill()
+        live.wait()
+    assert recover(study) == 1
+    assert study.trials[orphan.number].state == TrialState.FAIL
+    assert "abandoned" in study.trials[orphan.number].user_attrs["error"]
