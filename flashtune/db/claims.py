@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,11 +39,22 @@ from typing import Any
 
 from flashtune._host import pid_alive
 from flashtune.db.models import ClaimRow, SweepRow
+from flashtune.db.validation import check_task
 from flashtune.exceptions import StorageError, SweepError
 from flashtune.problem import Problem, ProblemKey
 
+log = logging.getLogger(__name__)
 STATES = ("pending", "running", "done", "failed")
 DEFAULT_LEASE_S = 120.0
+_OPT = type(None)
+_CELL_TYPES: dict[str, tuple[type, ...]] = {
+    "seq": (int,), "attempts": (int,), "pid": (int, _OPT), "trials": (int, _OPT),
+    "best_tflops": (int, float, _OPT), "median_ms": (int, float, _OPT),
+    "started_at": (int, float, _OPT), "finished_at": (int, float, _OPT),
+    "worker": (str, _OPT), "host": (str, _OPT), "note": (str, _OPT),
+    "lease_expires": (int, float, _OPT)}
+"""The Python types each cell of a claims row may read back as."""
+_SWEEP_ID = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -194,18 +207,23 @@ class Board:
                 and_(c.c.state == "running", c.c.lease_expires < now)]
         if retry_failed:
             free.append(c.c.state == "failed")
-        with self._tx() as conn:
-            row = conn.execute(
-                select(c.c.id).where(c.c.sweep_id == sid, or_(*free)).order_by(c.c.seq)
-                .limit(1).with_for_update(skip_locked=True)).first()
-            if row is None:
-                return None
-            conn.execute(update(c).where(c.c.id == row.id).values(
-                state="running", worker=worker, host=socket.gethostname(), pid=os.getpid(),
-                lease_expires=now + lease_s, attempts=c.c.attempts + 1, started_at=now,
-                finished_at=None, note=None))
-            got = conn.execute(select(c).where(c.c.id == row.id)).one()
-        return self._task(got)
+        while True:
+            with self._tx() as conn:
+                row = conn.execute(
+                    select(c.c.id).where(c.c.sweep_id == sid, or_(*free)).order_by(c.c.seq)
+                    .limit(1).with_for_update(skip_locked=True)).first()
+                if row is None:
+                    return None
+                conn.execute(update(c).where(c.c.id == row.id).values(
+                    state="running", worker=worker, host=socket.gethostname(), pid=os.getpid(),
+                    lease_expires=now + lease_s, attempts=c.c.attempts + 1, started_at=now,
+                    finished_at=None, note=None))
+                got = self._task(conn.execute(select(c).where(c.c.id == row.id)).one())
+                if got is not None:
+                    return got
+                # A corrupt row is failed (a rerun with --retry-failed meets it again).
+                conn.execute(update(c).where(c.c.id == row.id).values(
+                    state="failed", note="corrupt row: see the log", lease_expires=None))
 
     def _owned(self, task_id: int, worker: str) -> Any:
         c = self.claims
@@ -273,22 +291,48 @@ class Board:
         with self._tx() as conn:
             rows = conn.execute(select(self.claims).where(self.claims.c.sweep_id == sid)
                                 .order_by(self.claims.c.seq)).all()
-        return [self._task(r) for r in rows]
+        return [t for t in map(self._task, rows) if t is not None]
 
     def sweep_ids(self) -> list[str]:
         from sqlalchemy import select
 
+        c = self.claims
         with self._tx() as conn:
-            return [r.id for r in conn.execute(
+            ids = [r.id for r in conn.execute(
                 select(self.sweeps.c.id).order_by(self.sweeps.c.created_at)).all()]
+            orphans = conn.execute(select(c.c.id).where(
+                c.c.sweep_id.not_in(select(self.sweeps.c.id))).order_by(c.c.id)).all()
+        where = self._storage._where
+        for r in orphans:  # a corrupt sweep id, here or in the sweeps table
+            log.warning("flashtune: %s: skipping sweep task row %s: it belongs to no sweep",
+                        where, r.id)
+        good = [i for i in ids if isinstance(i, str) and _SWEEP_ID.fullmatch(i)]
+        for i in ids:
+            if i not in good:
+                log.warning("flashtune: %s: skipping corrupt sweep row %s: not a sweep id",
+                            where, str(i)[:40])
+        return good
 
-    @staticmethod
-    def _task(r: Any) -> Task:
-        return Task(id=r.id, seq=r.seq, key=ProblemKey.from_dict(json.loads(r.key_json)),
-                    problem=Problem.from_dict(json.loads(r.problem_json)), state=r.state,
-                    worker=r.worker, host=r.host, pid=r.pid, attempts=r.attempts,
-                    trials=r.trials, best_tflops=r.best_tflops, median_ms=r.median_ms,
-                    note=r.note, started_at=r.started_at, finished_at=r.finished_at)
+    def _task(self, r: Any) -> Task | None:
+        """The task of row ``r``, or None (with a warning naming the database and the row)
+        if a cell is corrupt: SQLite stores any value in any column."""
+        try:
+            key, problem = check_task(json.loads(r.key_json), json.loads(r.problem_json))
+            if r.state not in STATES:
+                raise ValueError(f"state {str(r.state)[:40]!r} is not one of {STATES}")
+            for name, kinds in _CELL_TYPES.items():
+                v = getattr(r, name)
+                if isinstance(v, bool) or not isinstance(v, kinds) or (
+                        name in ("worker", "host") and v is not None and not v.isprintable()):
+                    raise ValueError(f"{name} is {str(v)[:40]!r}, not of its type")
+            return Task(id=r.id, seq=r.seq, key=key, problem=problem, state=r.state,
+                        worker=r.worker, host=r.host, pid=r.pid, attempts=r.attempts,
+                        trials=r.trials, best_tflops=r.best_tflops, median_ms=r.median_ms,
+                        note=r.note, started_at=r.started_at, finished_at=r.finished_at)
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("flashtune: %s: skipping corrupt sweep task row %s: %s",
+                        self._storage._where, r.id, e)
+            return None
 
 
 def counts(tasks: Sequence[Task]) -> dict[str, int]:

@@ -13,6 +13,7 @@ always equal the newest migration (a test compares them).
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -26,6 +27,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -45,6 +47,43 @@ _NAMING = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+
+class Timestamp(TypeDecorator[datetime]):
+    """``DateTime(timezone=True)`` whose read never raises: SQLite stores any value in any
+    column, and a cell that is not a time ('yesterday') comes back as it is stored, for the
+    reader to reject with its row (the driver's own parser would fail the whole query)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def result_processor(self, dialect: Any, coltype: Any) -> Any:
+        parse = self.impl_instance.result_processor(dialect, coltype)
+        if parse is None:
+            return None
+
+        def process(value: Any) -> Any:
+            try:
+                return parse(value)
+            except (ValueError, TypeError, OverflowError):
+                return value
+        return process
+
+
+class Flag(TypeDecorator[bool]):
+    """``Boolean`` that reads only 0 and 1 as False and True: any other stored value
+    ('garbage', 7) comes back as it is, for the reader to reject (SQLAlchemy's own
+    conversion would read both as True)."""
+
+    impl = Boolean
+    cache_ok = True
+
+    def result_processor(self, dialect: Any, coltype: Any) -> Any:
+        def process(value: Any) -> Any:
+            if isinstance(value, (bool, int)) and value in (0, 1):
+                return bool(value)
+            return value
+        return process
 
 
 class Base(DeclarativeBase):
@@ -95,9 +134,9 @@ class ProblemRow(Base):
     direction: Mapped[str] = mapped_column(String(8))
     dtype: Mapped[str] = mapped_column(String(16))
     head_dim: Mapped[int] = mapped_column(Integer)
-    causal: Mapped[bool] = mapped_column(Boolean)
-    window: Mapped[bool] = mapped_column(Boolean)
-    softcap: Mapped[bool] = mapped_column(Boolean)
+    causal: Mapped[bool] = mapped_column(Flag)
+    window: Mapped[bool] = mapped_column(Flag)
+    softcap: Mapped[bool] = mapped_column(Flag)
     gqa_ratio: Mapped[int] = mapped_column(Integer)
     bh_bucket: Mapped[int] = mapped_column(Integer)
     sq_bucket: Mapped[int] = mapped_column(Integer)
@@ -125,7 +164,7 @@ class ResultRow(Base):
     trials: Mapped[int] = mapped_column(Integer)
     search_seconds: Mapped[float] = mapped_column(Double)
     host: Mapped[str] = mapped_column(String(256))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(Timestamp)
     flashtune_version: Mapped[str] = mapped_column(String(64))
 
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
@@ -143,7 +182,7 @@ class MissRow(Base):
     software_id: Mapped[int] = mapped_column(ForeignKey("ft_software.id"))
     count: Mapped[int] = mapped_column(BigInteger)
     example_json: Mapped[str] = mapped_column(Text)
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_seen: Mapped[datetime] = mapped_column(Timestamp)
 
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
     problem: Mapped[ProblemRow] = relationship(lazy="joined", innerjoin=True)

@@ -48,7 +48,7 @@ from flashtune.db.models import (
     Software,
 )
 from flashtune.db.storage import PREFER, Result, Storage
-from flashtune.db.validation import check_result, sort_key
+from flashtune.db.validation import check_miss, check_result, sort_key
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
 from flashtune.problem import Problem, ProblemKey
 
@@ -309,8 +309,25 @@ class RDBStorage(Storage):
 
     # -- conversion ---------------------------------------------------------------------
 
+    def _skip(self, table: str, row_id: Any, e: BaseException) -> None:
+        log.warning("flashtune: %s: skipping corrupt %s row %s: %s", self._where, table,
+                    row_id, e)
+
+    @staticmethod
+    def _check_parents(row: ResultRow | MissRow) -> None:
+        """A device or software row whose fingerprint is not that of its own fields was
+        edited behind flashtune's back: its results cannot be trusted to be what they say."""
+        parents = [("device", row.device), ("software", getattr(row, "software", None))]
+        for name, parent in parents:
+            if parent is not None and parent.fingerprint != parent.info().fingerprint:
+                raise ValueError(f"the {name} row {parent.id} does not match its fingerprint "
+                                 f"{str(parent.fingerprint)[:40]!r}")
+
     def _result(self, row: ResultRow, software: SoftwareInfo) -> Result | None:
         try:
+            if not isinstance(row.created_at, datetime):
+                raise ValueError(f"created_at is not a time: {str(row.created_at)[:40]!r}")
+            self._check_parents(row)
             example = json.loads(row.example_json) if row.example_json else None
             r = Result(
                 device=row.device.info(), software=row.software.info(), key=row.problem.key(),
@@ -326,9 +343,8 @@ class RDBStorage(Storage):
             if not isinstance(r.config, dict):
                 raise ValueError(f"config is not an object: {row.config_json[:40]!r}")
             check_result(r)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            log.warning("flashtune: %s: skipping corrupt result row %s: %s",
-                        self._where, row.id, e)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+            self._skip("result", row.id, e)
             return None
         return r.against(software)
 
@@ -434,14 +450,16 @@ class RDBStorage(Storage):
         with self._session() as s:
             rows = s.scalars(select(MissRow).order_by(MissRow.last_seen)).unique().all()
             for row in rows:
-                if device is not None and not row.device.info().matches(device):
-                    continue
                 try:
-                    key, example = row.problem.key(), Problem.from_dict(
-                        json.loads(row.example_json))
-                except (ValueError, TypeError, KeyError) as e:
-                    log.warning("flashtune: %s: skipping corrupt miss row %s: %s",
-                                self._where, row.id, e)
+                    self._check_parents(row)
+                    dev, key = row.device.info(), row.problem.key()
+                    example = check_miss(dev, key, row.count, json.loads(row.example_json))
+                    if not isinstance(row.last_seen, datetime):
+                        raise ValueError(f"last_seen is not a time: {str(row.last_seen)[:40]!r}")
+                except (ValueError, TypeError, KeyError, AttributeError) as e:
+                    self._skip("miss", row.id, e)
+                    continue
+                if device is not None and not dev.matches(device):
                     continue
                 acc = total.setdefault(key, [0, example])
                 acc[0] += row.count

@@ -205,12 +205,19 @@ def _created_at(v: Any) -> str:
                   "9999") from None
 
 
+def _device(d: Any) -> DeviceInfo:
+    fields_ = ("name", "capability", "sm_count", "memory_gb")
+    dev = expect_object(d, "device", fields_, fields_)
+    return DeviceInfo(name=_str(dev["name"], "device.name", 200),
+                      capability=_str(dev["capability"], "device.capability", 32),
+                      sm_count=_int(dev["sm_count"], "device.sm_count", 0, _MAX_SM),
+                      memory_gb=_int(dev["memory_gb"], "device.memory_gb", 0, _MAX_GB))
+
+
 def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
     """Validate one export entry and build its Result (raises ``Bad``)."""
     e = expect_object(e, "", _ENTRY_FIELDS, _ENTRY_FIELDS)
     key = _key(e["direction"], e["problem"])
-    dev = expect_object(e["device"], "device", ("name", "capability", "sm_count", "memory_gb"),
-               ("name", "capability", "sm_count", "memory_gb"))
     sw = expect_object(e["software"], "software", ("torch", "triton", "cuda", "kernels_hash"),
               ("torch", "triton", "cuda", "kernels_hash"))
     nums = {k: _num(e[k], k, hi) for k, hi in _FLOATS.items()}
@@ -221,10 +228,7 @@ def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
         median_ms=nums["median_ms"], p20_ms=nums["p20_ms"], p80_ms=nums["p80_ms"],
         tflops=nums["tflops"], max_error=nums["max_error"],
         search_seconds=nums["search_seconds"],
-        device=DeviceInfo(name=_str(dev["name"], "device.name", 200),
-                          capability=_str(dev["capability"], "device.capability", 32),
-                          sm_count=_int(dev["sm_count"], "device.sm_count", 0, _MAX_SM),
-                          memory_gb=_int(dev["memory_gb"], "device.memory_gb", 0, _MAX_GB)),
+        device=_device(e["device"]),
         software=SoftwareInfo(**{k: _str(sw[k], f"software.{k}", 128) for k in sw}),
         key=key, problem=_example(e["example"], key), config=_config(key.direction, e["config"]),
         trials=_int(e["trials"], "trials", 0, _MAX_COUNT),
@@ -253,6 +257,35 @@ def check_result(r: Result) -> Result:
         return from_entry(to_entry(r), r.software)
     except Bad as e:
         raise ImportValidationError(f"{r.key.short()}: {e}") from None
+
+
+def check_miss(device: DeviceInfo, key: ProblemKey, count: Any, example: Any) -> Problem:
+    """Validate one recorded miss as read back (its device, key, count and example, the
+    example a dict); returns the example. ValueError naming the field."""
+    try:
+        _device(device.as_dict())
+        k = _key(key.direction, {f: getattr(key, f) for f in _KEY_FIELDS})
+        _int(count, "count", 0, 2**63 - 1)
+        p = _example(example, k)
+    except Bad as e:
+        raise ImportValidationError(str(e)) from None
+    if p is None:
+        raise ImportValidationError("field example: missing")
+    return p
+
+
+def check_task(key: Any, problem: Any) -> tuple[ProblemKey, Problem]:
+    """Validate a sweep task's key and problem (decoded JSON) as read back."""
+    try:
+        if not isinstance(key, dict):
+            raise Bad("key", f"expected an object, got {show(key)}")
+        k = _key(key.get("direction"), {f: v for f, v in key.items() if f != "direction"})
+        p = _example(problem, k)
+    except Bad as e:
+        raise ImportValidationError(str(e)) from None
+    if p is None:
+        raise ImportValidationError("field problem: missing")
+    return k, p
 
 
 def sort_key(r: Result) -> tuple[Any, ...]:
