@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import sqlite3
 import weakref
@@ -162,7 +163,15 @@ def _create_engine(url_text: str, read_only: bool, busy_timeout: float | None = 
     if url.get_backend_name() != "postgresql":
         raise ArgumentError(f"{url.get_backend_name()} is not supported; use SQLite or "
                             "PostgreSQL")
-    opts: dict[str, Any] = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
+    # The dispatcher passes a short ``busy_timeout``: a server that accepts connections but
+    # never answers, or a query stuck behind a lock, must cost a training step about as
+    # long as a locked SQLite file does (libpq's connect timeout is whole seconds, >= 2).
+    connect_args: dict[str, Any] = {"connect_timeout": 10}
+    if busy_timeout is not None:
+        connect_args = {"connect_timeout": max(2, math.ceil(busy_timeout)),
+                        "options": f"-c statement_timeout={max(1, int(busy_timeout * 1000))} "
+                                   f"-c lock_timeout={max(1, int(busy_timeout * 1000))}"}
+    opts: dict[str, Any] = {"pool_pre_ping": True, "connect_args": connect_args}
     if read_only:
         opts["execution_options"] = {"postgresql_readonly": True}
     return create_engine(url, **opts)

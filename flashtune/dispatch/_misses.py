@@ -8,11 +8,12 @@ import threading
 
 from flashtune._env import database_url
 from flashtune.db.fingerprint import DeviceInfo, software_info
-from flashtune.dispatch._state import warn_once
+from flashtune.dispatch._state import counters, lock, warn_once
 from flashtune.problem import Problem, ProblemKey
 
 _MISS_BATCH = 64  # pending keys that wake the recorder before its period is up
 _MISS_PERIOD_S = 30.0
+WRITE_BUSY_TIMEOUT_S = 10.0  # a writer holding the lock longer costs this batch (counted)
 _EXIT_FLUSH_S = 5.0  # at most this long at interpreter exit for the last batch
 
 
@@ -55,16 +56,23 @@ class MissRecorder:
             batch = self._take()
             if not batch:
                 return
+            n = sum(c for misses in batch.values() for c, _ in misses.values())
             try:
                 from flashtune.db import open_storage
 
                 sw = software_info()
-                with open_storage(database_url()) as storage:
+                with open_storage(database_url(), busy_timeout=WRITE_BUSY_TIMEOUT_S) as storage:
                     for device, misses in batch.items():
                         storage.record_misses(device, sw, misses)
             except Exception as e:
+                with lock:
+                    counters["misses_dropped"] += n
                 warn_once("misses", f"flashtune: cannot record dispatcher misses in the "
-                           f"tuning database ({type(e).__name__}: {e}); dropping them")
+                           f"tuning database ({type(e).__name__}: {e}); dropping them "
+                           "(stats()['misses_dropped'] counts them)")
+                return
+            with lock:
+                counters["misses_recorded"] += n
 
     def flush(self, timeout: float | None = None) -> bool:
         """Write what is pending now; False if it did not finish within ``timeout``."""

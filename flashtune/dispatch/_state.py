@@ -23,13 +23,14 @@ warned: set[str] = set()
 missed: set[tuple[str, ProblemKey]] = set()
 tune_tried: set[tuple[str, ProblemKey]] = set()
 counters = {"first_sights": 0, "table_loads": 0, "db_reads": 0, "misses": 0, "tunes": 0,
-          "uncached": 0}
+          "uncached": 0, "misses_recorded": 0, "misses_dropped": 0}
 
 
 def stats() -> dict[str, int]:
     """Counters for tests and diagnostics: first sights of a shape, table loads, database
-    reads, misses, online tunes, and first sights served uncached (inside capture or
-    compilation with no table loaded)."""
+    reads, misses, online tunes, first sights served uncached (inside capture or
+    compilation with no table loaded), and miss records written to the database or
+    dropped (the database could not be written, e.g. locked by another writer)."""
     return dict(counters)
 
 

@@ -288,6 +288,78 @@ def test_bad_database_warns_once_and_training_goes_on(kind, tmp_path, monkeypatc
     assert "Training goes on" in str(ours[0].message)
 
 
+def test_misses_dropped_while_the_database_is_locked_are_counted(db, monkeypatch, device,
+                                                                 seed):
+    from flashtune.dispatch import _misses
+
+    monkeypatch.setattr(_misses, "WRITE_BUSY_TIMEOUT_S", 0.2)
+    call(prob(seqlen_q=24, seqlen_k=24), device)  # the table is loaded, a miss recorded
+    assert dispatch.flush_misses(30)
+    assert dispatch.stats()["misses_recorded"] == 1
+    holder = _locked(db, monkeypatch)  # another writer holds the database
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(prob(seqlen_q=100, seqlen_k=100), device)
+            call(prob(seqlen_q=300, seqlen_k=300), device)
+            assert dispatch.flush_misses(30)
+    finally:
+        holder.close()
+    got = dispatch.stats()
+    assert (got["misses_dropped"], got["misses_recorded"]) == (2, 1)
+    assert any("misses_dropped" in str(w.message) for w in caught)
+    call(prob(seqlen_q=1000, seqlen_k=1000), device)  # the lock is gone: recorded again
+    assert dispatch.flush_misses(30)
+    assert dispatch.stats()["misses_recorded"] == 2
+    with open_storage(db, read_only=True) as st:
+        assert sorted(c for _, c, _ in st.misses()) == [1, 1]
+
+
+def test_a_postgresql_server_that_never_answers_costs_seconds(monkeypatch, device, seed):
+    """A server that accepts the connection and then says nothing: the dispatcher gives up
+    as soon as on a locked SQLite file (libpq's connect timeout, 2 s), and training goes on."""
+    import socket
+    import threading
+
+    pytest.importorskip("psycopg")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # accepted, never answered
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    port = server.getsockname()[1]
+    monkeypatch.setenv("FLASHTUNE_DB", f"postgresql://u:secret@127.0.0.1:{port}/tuning")
+    dispatch.reload()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            call(prob(), device)
+            spent = time.perf_counter() - t0
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        server.close()
+        monkeypatch.setenv("FLASHTUNE_RECORD_MISSES", "0")
+        dispatch.reload()
+    ours = [str(w.message) for w in caught if "tuning database" in str(w.message)]
+    assert len(ours) == 1 and "secret" not in ours[0], ours
+    assert spent < 8.0, spent  # 2 s of connect timeout (+ a pre-ping retry), not 10 s or more
+
+
 # ----------------------------------------------------------------------------- cost
 
 
