@@ -260,7 +260,7 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
     gpu_ids = _parse_gpus(gpus)
     interpreter = kernel_mode("sweep", interpret)
     title, problems = shape_set(preset, shapes, from_misses, db_url)
-    from flashtune.autotune.sweep import Options, prepare_optuna, run_worker
+    from flashtune.autotune.sweep import Options, prepare_optuna
     from flashtune.db import open_storage, resolve_url
     from flashtune.db.claims import Board, tasks_for
     from flashtune.db.fingerprint import device_info, software_info
@@ -272,36 +272,43 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
         software = software_info()
         open_storage(url).close()  # create or upgrade the schema once, before any worker
         prepare_optuna(url)
+        # One board for the whole sweep: its every transaction, the last read included,
+        # checks that the database file is the one the sweep started on.
         with Board(url) as board:
             sid = board.create(device, software, tasks_for(problems, dirs), trials)
             freed = board.recover_local(sid)
-        opts = Options(db_url=url, trials=trials, time_budget=time_budget, lease_s=lease,
-                       retry_failed=retry_failed)
-        shared = "" if "://" not in str(db_url or "") else " (shared)"
-        if not as_json:
-            click.echo(f"sweep {sid}: {title}, {len(problems)} shapes x {'+'.join(dirs)} on "
-                       f"{device.name}{' (interpreter)' if interpreter else ''}; "
-                       f"database {where(url)}{shared}"
-                       + (f"; freed {freed} task(s) of dead local workers" if freed else ""),
-                       err=True)
-        mode = "quiet" if as_json else ("live" if sys.stderr.isatty() else "lines")
-        watch = _Watch(url, sid, title, mode)
-        watch.start()
-        interrupted = False
-        failures: list[str] = []
-        try:
-            if gpu_ids:
-                failures = _run_children(gpu_ids, sid, opts, interpreter)
-            else:
-                with Board(url) as board:
-                    run_worker(board, sid, opts)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            watch.stop()
-        with Board(url) as board:
+            opts = Options(db_url=url, trials=trials, time_budget=time_budget, lease_s=lease,
+                           retry_failed=retry_failed)
+            shared = "" if "://" not in str(db_url or "") else " (shared)"
+            if not as_json:
+                click.echo(f"sweep {sid}: {title}, {len(problems)} shapes x {'+'.join(dirs)} "
+                           f"on {device.name}{' (interpreter)' if interpreter else ''}; "
+                           f"database {where(url)}{shared}"
+                           + (f"; freed {freed} task(s) of dead local workers" if freed
+                              else ""), err=True)
+            mode = "quiet" if as_json else ("live" if sys.stderr.isatty() else "lines")
+            interrupted, failures = _run(board, sid, opts, gpu_ids, interpreter,
+                                         _Watch(url, sid, title, mode))
             tasks = board.tasks(sid)
     _finish_sweep(sid, tasks, device, interpreter, as_json, interrupted, failures)
+
+
+def _run(board: Any, sid: str, opts: Any, gpu_ids: list[str], interpreter: bool,
+         watch: Any) -> tuple[bool, list[str]]:
+    """Run the workers (in this process, or one per GPU) while ``watch`` shows progress;
+    returns (interrupted, a line per failed worker)."""
+    from flashtune.autotune.sweep import run_worker
+
+    watch.start()
+    try:
+        if gpu_ids:
+            return False, _run_children(gpu_ids, sid, opts, interpreter)
+        run_worker(board, sid, opts)
+        return False, []
+    except KeyboardInterrupt:
+        return True, []
+    finally:
+        watch.stop()
 
 
 def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) -> list[str]:

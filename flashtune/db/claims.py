@@ -158,6 +158,7 @@ class Board:
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
+        self._storage.check_file()  # a sweep must not fill a deleted or replaced file
         with self._errors(), self.engine.begin() as conn:
             yield conn
 

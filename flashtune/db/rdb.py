@@ -247,11 +247,33 @@ class RDBStorage(Storage):
         except BaseException:
             self.engine.dispose()
             raise
+        sqlite_file = parsed.get_backend_name() == "sqlite" and parsed.database not in (
+            None, "", ":memory:")
+        self._file = Path(str(parsed.database)).absolute() if sqlite_file else None
+        self._identity = self._file_identity()
 
     def __repr__(self) -> str:
         return f"RDBStorage({self._where!r}, read_only={self.read_only})"
 
     # -- plumbing -----------------------------------------------------------------------
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        if self._file is None:
+            return None
+        try:
+            st = os.stat(self._file)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check_file(self) -> None:
+        """Raise StorageError if the SQLite file opened here was deleted or replaced since:
+        SQLite would go on writing into the unlinked file, and every result would be lost.
+        Every write checks this first (a server database has nothing to check)."""
+        if self._identity is not None and self._file_identity() != self._identity:
+            raise StorageError(f"{self._where}: the database file was deleted or replaced "
+                               "while in use; nothing more is written (what would be written "
+                               "now would be lost). Check what removed it, then rerun")
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -265,6 +287,8 @@ class RDBStorage(Storage):
         """The one session scope: commit on success, roll back on any error."""
         if write and self.read_only:
             raise StorageError(f"{self._where}: opened read-only; cannot write")
+        if write:
+            self.check_file()
         with self._errors():
             session = (self._write if write else self._read)()
             try:

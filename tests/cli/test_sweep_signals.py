@@ -116,3 +116,21 @@ def test_tune_output_masks_the_database_password(monkeypatch: pytest.MonkeyPatch
     assert r.exit_code == 0, r.output
     assert "s3cr3t-pw" not in r.output and "***" in r.output
     assert tune  # the module under test
+
+
+def test_a_database_deleted_under_a_running_sweep_fails_it_loudly(tmp_path: Path) -> None:
+    """SQLite would write on into the unlinked file and exit 0 with every result lost."""
+    db, shapes = tmp_path / "t.db", tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([SHAPE, {**SHAPE, "seqlen": 256}]))
+    p = _sweep(db, shapes)
+    deadline = time.monotonic() + 120
+    while "running" not in _states(db):
+        assert p.poll() is None, p.communicate()[0].decode()[-3000:]
+        assert time.monotonic() < deadline, "the sweep never started a task"
+        time.sleep(0.2)
+    for f in tmp_path.glob("t.db*"):
+        f.unlink()
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 1, out[-3000:]
+    assert "deleted or replaced while in use" in out and "Traceback" not in out, out[-3000:]
+    assert not db.exists()

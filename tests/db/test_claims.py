@@ -87,6 +87,31 @@ def test_create_is_idempotent_and_claims_in_order(db_url: str) -> None:
         assert states[0] == ("done", 2.5)
 
 
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_file_deleted_or_replaced_under_a_sweep_stops_it(tmp_path: Path,
+                                                                    how: str) -> None:
+    from flashtune.db import open_storage
+    from flashtune.exceptions import StorageError
+    from tests.db._data import results
+
+    path = tmp_path / "sweep.db"
+    with Board(str(path)) as b, open_storage(str(path)) as st:
+        sid = b.create(DEV, SW, tasks_for(_problems(2), ["fwd"]), None)
+        t = b.claim(sid, "w1")
+        st.put_results(results(1, 1))
+        if how == "deleted":
+            path.unlink()
+        else:  # e.g. a copy restored over it
+            other = tmp_path / "other.db"
+            open_storage(str(other)).close()
+            os.replace(other, path)
+        for write in (lambda: b.finish(t.id, "w1", trials=1, best_tflops=1.0, median_ms=1.0),
+                      lambda: b.claim(sid, "w1"), lambda: st.put_results(results(2, 1))):
+            with pytest.raises(StorageError, match="deleted or replaced while in use"):
+                write()
+    assert path.exists() == (how == "replaced")  # nothing recreated it
+
+
 def test_expired_lease_is_taken_over(db_url: str) -> None:
     with Board(db_url) as b:
         sid = b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), None)
