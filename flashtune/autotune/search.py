@@ -138,6 +138,8 @@ class Search:
         if self.s.trials is not None and self.measured + len(self.pending) >= self.s.trials:
             self.stop_reason = self.stop_reason or "trials"
             return False
+        if not self.measured and not self.pending:
+            return True  # a time budget spent on setup (a loaded machine) still measures one
         why = self._out_of_time_or_patience()
         self.stop_reason = why or self.stop_reason
         return not why

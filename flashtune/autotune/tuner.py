@@ -408,8 +408,9 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
             -> dict[str, TuneResult]       (direction "both": {"fwd": ..., "bwd": ...})
 
     - ``trials``: candidates to measure per direction, counting those already in a
-      resumed study; ``time_budget``: seconds per direction (an in-flight trial
-      finishes). Either, both, or neither (then 50 trials). The grid sampler defaults
+      resumed study; ``time_budget``: seconds per direction, setup included (an
+      in-flight trial finishes, and one trial is measured however little is left).
+      Either, both, or neither (then 50 trials). The grid sampler defaults
       to the whole space.
     - ``storage``: a :class:`flashtune.db.Storage`, a URL/path, or None (FLASHTUNE_DB or
       the default database). The Optuna study lives in the same database, so
