@@ -441,6 +441,13 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
     sess = session or TuneSession(interpret=interpret, compile_workers=compile_workers)
     own_storage = storage is None or isinstance(storage, (str, os.PathLike))
     store_obj = open_storage(storage) if own_storage else storage
+    if hasattr(store_obj, "check_writable"):
+        try:  # before Optuna writes its study there (it ignores SQLite's mode=ro)
+            store_obj.check_writable()
+        except BaseException:
+            if own_storage:
+                store_obj.close()
+            raise
     interp = sess.interpret
     with setenv("TRITON_INTERPRET", "1" if interp else None):
         device = device_info()

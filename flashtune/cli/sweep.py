@@ -270,7 +270,8 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
         url = resolve_url(db_url)
         device = _check_gpus(gpu_ids) if gpu_ids and not interpreter else device_info()
         software = software_info()
-        open_storage(url).close()  # create or upgrade the schema once, before any worker
+        with open_storage(url) as st:  # create or upgrade the schema once, before any worker
+            st.check_writable()  # mode=ro: refused before Optuna (which ignores it) writes
         prepare_optuna(url)
         # One board for the whole sweep: its every transaction, the last read included,
         # checks that the database file is the one the sweep started on.

@@ -233,6 +233,7 @@ class Board:
     def heartbeat(self, task_id: int, worker: str, *, lease_s: float = DEFAULT_LEASE_S,
                   best_tflops: float | None = None, trials: int | None = None) -> bool:
         """Renew ``worker``'s lease (and its progress); False if the task is no longer its."""
+        check_lease(lease_s)
         from sqlalchemy import update
 
         values: dict[str, Any] = {"lease_expires": time.time() + lease_s}

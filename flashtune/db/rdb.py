@@ -266,6 +266,14 @@ class RDBStorage(Storage):
             return None
         return st.st_dev, st.st_ino
 
+    def check_writable(self) -> None:
+        """Raise StorageError unless this storage may be written: not opened read-only (a
+        SQLite URL with ``mode=ro`` is read-only), and its file not deleted or replaced.
+        Callers that also write through another engine (Optuna's study) check first."""
+        if self.read_only:
+            raise StorageError(f"{self._where}: opened read-only; cannot write")
+        self.check_file()
+
     def check_file(self) -> None:
         """Raise StorageError if the SQLite file opened here was deleted or replaced since:
         SQLite would go on writing into the unlinked file, and every result would be lost.
@@ -285,10 +293,8 @@ class RDBStorage(Storage):
     @contextmanager
     def _session(self, *, write: bool = False) -> Iterator[Session]:
         """The one session scope: commit on success, roll back on any error."""
-        if write and self.read_only:
-            raise StorageError(f"{self._where}: opened read-only; cannot write")
         if write:
-            self.check_file()
+            self.check_writable()
         with self._errors():
             session = (self._write if write else self._read)()
             try:

@@ -193,3 +193,19 @@ def test_export_takes_the_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert code == 0 and (tmp_path / "e.json").stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("cmd", [
+    ["tune", "--interpret", "--batch", "1", "--heads", "2", "--seqlen", "32", "--head-dim",
+     "32", "--dtype", "fp16", "--direction", "fwd", "--trials", "1"],
+    ["sweep", "--interpret", "--preset", "tiny", "--direction", "fwd", "--trials", "1"],
+])
+def test_a_read_only_url_is_refused_before_anything_is_written(tmp_path: Path,
+                                                              cmd: list[str]) -> None:
+    """SQLite's mode=ro is honoured: Optuna, which ignores it, never gets to write."""
+    db = tmp_path / "t.db"
+    open_storage(str(db)).close()
+    before = _checksum(db)
+    code, out, _ = _run([*cmd, "--db", f"sqlite:///{db}?mode=ro"])
+    assert code == 1 and "read-only" in out and "Traceback" not in out, out
+    assert _checksum(db) == before

@@ -112,6 +112,18 @@ def test_a_database_file_deleted_or_replaced_under_a_sweep_stops_it(tmp_path: Pa
     assert path.exists() == (how == "replaced")  # nothing recreated it
 
 
+@pytest.mark.parametrize("lease", [float("nan"), float("inf"), 0.0, -1.0])
+def test_leases_must_be_finite_and_positive(db_url: str, lease: float) -> None:
+    with Board(db_url) as b:
+        sid = b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), None)
+        with pytest.raises(ValueError, match="finite number of seconds > 0"):
+            b.claim(sid, "w", lease_s=lease)
+        t = b.claim(sid, "w")
+        with pytest.raises(ValueError, match="finite number of seconds > 0"):
+            b.heartbeat(t.id, "w", lease_s=lease)
+        assert [x.state for x in b.tasks(sid)] == ["running"]
+
+
 def test_expired_lease_is_taken_over(db_url: str) -> None:
     with Board(db_url) as b:
         sid = b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), None)
