@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -16,6 +18,27 @@ except Exception:  # pragma: no cover
 if not _HAS_CUDA:
     # Must be set before any @triton.jit is evaluated (i.e. before flashtune.kernels loads).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_HOME = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite never reads or writes the user's tuning database: FLASHTUNE_DB is unset
+    and the default location (platformdirs' data folder, the legacy cache folder) lies in a
+    folder of this run, removed at the end. Subprocesses inherit it. Otherwise dispatcher
+    misses of one run land in the real database and a second run starts from them."""
+    home = tempfile.mkdtemp(prefix="flashtune-test-home-")
+    config.stash[_HOME] = home
+    os.environ.pop("FLASHTUNE_DB", None)
+    os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
+    os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home = config.stash.get(_HOME, None)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -279,3 +279,10 @@ def test_a_database_at_the_old_default_location_stays_in_use(
     monkeypatch.setenv("FLASHTUNE_DB", "postgresql://u@h/db")
     assert resolve_url() == "postgresql+psycopg://u@h/db"
     assert resolve_url("rel.db") == "sqlite:///" + os.path.abspath("rel.db")
+
+
+def test_the_suite_never_touches_the_users_database() -> None:
+    from flashtune.db import default_path, resolve_url
+
+    assert "flashtune-test-home-" in str(default_path())  # tests/conftest.py's folder
+    assert "flashtune-test-home-" in resolve_url(None)
