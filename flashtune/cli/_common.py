@@ -72,7 +72,7 @@ def read_input(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
 db_option = click.option(
     "--db", "db_url", metavar="URL", default=None,
     help="Database path or SQLAlchemy URL (default: $FLASHTUNE_DB, else tuning.db in the "
-         "user cache directory).")
+         "user data directory; `autotune info` shows it).")
 
 
 def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
