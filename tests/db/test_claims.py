@@ -127,9 +127,10 @@ def test_leases_must_be_finite_and_positive(db_url: str, lease: float) -> None:
 def test_expired_lease_is_taken_over(db_url: str) -> None:
     with Board(db_url) as b:
         sid = b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), None)
-        t = b.claim(sid, "dead", lease_s=0.2)
+        # A lease of 1.5 s: the next claim comes well within it even on a loaded machine.
+        t = b.claim(sid, "dead", lease_s=1.5)
         assert b.claim(sid, "alive") is None  # lease still valid
-        time.sleep(0.3)
+        time.sleep(1.6)
         t2 = b.claim(sid, "alive")
         assert t2.id == t.id and t2.worker == "alive"
         assert not b.heartbeat(t.id, "dead")  # the dead worker lost it
