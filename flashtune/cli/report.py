@@ -72,12 +72,13 @@ def _curves(url: str, device: Device) -> list[dict[str, Any]]:
     import optuna
     from optuna.trial import TrialState
 
-    from flashtune.autotune.study import optuna_storage
     from flashtune.db.fingerprint import DeviceInfo
     from flashtune.problem import Problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna_storage(url)
+    storage = _study_storage(url)
+    if storage is None:
+        return []
     out = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         attrs = summary.user_attrs
@@ -106,6 +107,33 @@ def _curves(url: str, device: Device) -> list[dict[str, Any]]:
                     "label": f"{direction} {problem.label()}", "speedup": ys,
                     "interpreter": bool(attrs.get("interpreter"))})
     return out
+
+
+def _study_storage(url: str) -> Any:
+    """Optuna's storage over ``url``, opened to read; None when the database or Optuna's
+    tables do not exist. A report creates neither, and opens a SQLite file read-only
+    (Optuna itself would ignore ``mode=ro`` in the URL and create its tables)."""
+    from urllib.parse import quote
+
+    import optuna
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+
+    from flashtune.db import open_storage
+    from flashtune.exceptions import DatabaseMissingError
+
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:"):
+        return None  # a new in-memory database: no studies
+    try:
+        with open_storage(url, read_only=True) as st, st.engine.connect() as conn:
+            if not inspect(conn).has_table("studies"):
+                return None
+    except DatabaseMissingError:
+        return None
+    if u.get_backend_name() == "sqlite":
+        url = f"sqlite:///file:{quote(str(Path(str(u.database)).absolute()))}?mode=ro&uri=true"
+    return optuna.storages.RDBStorage(url, skip_table_creation=True)
 
 
 def _stored(url: str, device: Device) -> list[Any]:

@@ -42,7 +42,7 @@ def test_report_from_database_and_bench(tuned: tuple[str, str], tmp_path: Path) 
     text = page.read_text()
     assert "data:image/png;base64," in text
     assert "<th>train fwd vs default</th>" in text and "<th>geomean</th>" in text
-    assert "fwd 1x2x64x32 fp16" in text  # the tuning study, as speed-up over the default
+    assert "Searches (1)" in text and "<tr><td>fwd 1x2x64x32 fp16</td><td>2</td>" in text
     assert "interpreter" in text and "re-timed" in text  # the caption
     assert text.count('<tr class="entry">') == 1 and "block_m=" in text  # the winning config
 
@@ -108,3 +108,30 @@ def test_report_rejects_a_file_that_is_not_bench_output(tmp_path: Path) -> None:
                                     str(bad), "--out", str(tmp_path / "o")])
     assert res.exit_code == 1 and "not `autotune bench --json` output" in res.stderr
     assert not (tmp_path / "o" / "report.png").exists()
+
+
+def test_report_writes_nothing_into_the_database(tuned: tuple[str, str], tmp_path: Path) -> None:
+    """Reading studies must not create Optuna's tables, a missing database, or write into a
+    read-only one (Optuna ignores SQLite's mode=ro)."""
+    import hashlib
+    import shutil
+    import sqlite3
+
+    from flashtune.db import open_storage
+
+    plain = tmp_path / "plain.db"
+    open_storage(str(plain)).close()  # flashtune's tables only, no studies yet
+    studied = tmp_path / "studied.db"
+    with sqlite3.connect(tuned[0]) as con:  # the studies may sit in the WAL file
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copy(tuned[0], studied)
+    for db in (plain, studied):
+        before = hashlib.sha256(db.read_bytes()).hexdigest()
+        res = CliRunner().invoke(main, ["report", "--db", f"sqlite:///{db}?mode=ro", "--out",
+                                        str(tmp_path / "r")])
+        assert res.exit_code == 0, res.output
+        assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert "Searches (1)" in (tmp_path / "r" / "report.html").read_text()
+    res = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.db"), "--out",
+                                    str(tmp_path / "r")])
+    assert res.exit_code == 0 and not (tmp_path / "none.db").exists()
