@@ -202,7 +202,8 @@ def caption(data: Data) -> str:
     if data.columns:
         when = (data.bench or {}).get("date", "?")
         return ("Ratio view: TFLOP/s of the tuned config over each implementation, per problem "
-                "(> 1: tuned is faster; header: geomean of the column). All of them were "
+                "(> 1: tuned is faster; grey: not measured; header: geomean over the problems "
+                "measured). All of them were "
                 f"re-timed in one `autotune bench` process ({when}) by the house protocol. "
                 "Search progress: the best config so far over the default config, both as the "
                 "tuner timed them during its search. Those search timings differ from the "
