@@ -12,6 +12,7 @@ import socket
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any
 
 from flashtune._host import pid_alive
@@ -73,7 +74,15 @@ def _rdb_storage(url: str, attempts: int = 8) -> Any:
     and finds the tables made; any other error is raised at once."""
     import optuna
     import sqlalchemy.exc
+    from sqlalchemy.engine import make_url
 
+    from flashtune.db.rdb import rw_uri
+
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:") \
+            and not str(u.database).startswith("file:") and Path(str(u.database)).is_file():
+        # Never create the file again once it exists (our own engine does the same).
+        url = f"sqlite:///{rw_uri(Path(str(u.database)))}&uri=true"
     for i in range(attempts):
         try:
             return optuna.storages.RDBStorage(url)

@@ -112,6 +112,13 @@ def _translate(e: BaseException, where: str) -> StorageError:
     return StorageError(f"{where}: {msg}")
 
 
+def rw_uri(path: Path) -> str:
+    """The SQLite URI that opens ``path`` for writing but never creates it: a connection
+    made after the file was deleted fails, instead of starting an empty database in its
+    place (a sweep would fill it, and its results would look lost)."""
+    return f"file:{quote(str(path.absolute()))}?mode=rw"
+
+
 def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None) -> Engine:
     timeout = BUSY_TIMEOUT_S if busy_timeout is None else busy_timeout
     db = url.database
@@ -132,7 +139,9 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None)
                     uri, uri=True, timeout=timeout, check_same_thread=False))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            engine = create_engine(url, connect_args={"timeout": timeout})
+            sqlite3.connect(path).close()  # create it now, and never again (below)
+            engine = create_engine(f"sqlite:///{rw_uri(path)}&uri=true",
+                                   connect_args={"timeout": timeout})
         wal = not read_only
 
     @event.listens_for(engine, "connect")
