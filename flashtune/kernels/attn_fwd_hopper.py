@@ -43,7 +43,7 @@ from flashtune.kernels._masking import _tanh as _portable_tanh
 from flashtune.kernels.config import FwdConfig
 
 ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 # The portable kernels' scalar and elementwise helpers, compiled as Gluon: one copy of the
