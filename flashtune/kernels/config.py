@@ -491,8 +491,10 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
     return c
 
 
-def default_bwd(p: Problem) -> BwdConfig:
-    """Heuristic backward config, always feasible."""
+def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
+    """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
+    the two-kernel backward (no other variant is measured faster yet); else that variant
+    with the same tiles (InfeasibleConfigError if the variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = BwdConfig(dkdv_block_m=32, dkdv_block_n=128, dkdv_warps=4, dkdv_stages=3,
@@ -513,7 +515,27 @@ def default_bwd(p: Problem) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
+    if variant is not None and variant != c.variant:
+        c = _as_variant(c, variant, p)
     check_bwd(c, p)
+    return c
+
+
+def _as_variant(c: BwdConfig, variant: int, p: Problem) -> BwdConfig:
+    """``c``'s tiles run as ``variant``: the knobs it does not use back at their defaults."""
+    reason = variant_unavailable("bwd", variant, p)
+    if reason:
+        raise InfeasibleConfigError(reason)
+    base, used = BwdConfig(), set(active_fields(BwdConfig, variant))
+    c = dataclasses.replace(c, variant=variant, **{
+        f.name: getattr(base, f.name) for f in dataclasses.fields(c) if f.name not in used})
+    if variant == BWD_ONE_LAUNCH:
+        # One launch, one num_warps: what the dQ tile can use, the dK/dV tile shrunk to fit
+        # its registers with it.
+        warps = min(c.dkdv_warps, max(4, c.dq_block_m // 8))
+        c = dataclasses.replace(c, dkdv_warps=warps)
+        while c.dkdv_block_n > 16 and not is_feasible(c, p)[0]:
+            c = dataclasses.replace(c, dkdv_block_n=c.dkdv_block_n // 2)
     return c
 
 

@@ -147,17 +147,6 @@ GPU_CASES = [
 ]
 
 
-def _variant_default(p: Problem, variant: int, **kw: int) -> BwdConfig:
-    """The heuristic default's tiles, run as ``variant`` (fields it does not use at their
-    defaults)."""
-    c = default_bwd(p)
-    if variant == BWD_ATOMIC:
-        c = dataclasses.replace(c, dq_block_n=32, dq_stages=2)
-    elif variant == BWD_ONE_LAUNCH:
-        c = dataclasses.replace(c, dq_warps=4, dq_stages=2)
-    return dataclasses.replace(c, variant=variant, **kw)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
@@ -165,10 +154,10 @@ def test_backward_gpu_realistic(case: tuple, variant: int, seed: int) -> None:
     p, layout = variant_problem(case_problem(case), variant), case[-1]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    cfgs = [_variant_default(p, variant),
+    cfgs = [default_bwd(p, variant),
             random_config(BwdConfig, p, rng, max_block=128, max_stages=4, variant=variant)]
     if variant == BWD_ATOMIC:  # both dQ paths: pointer atomics and TMA reduce-add (sm90+)
-        cfgs.append(_variant_default(p, variant, dkdv_atomic_tma=1 - cfgs[0].dkdv_atomic_tma))
+        cfgs.append(dataclasses.replace(cfgs[0], dkdv_atomic_tma=1))
     for cfg in cfgs:
         ok, why = is_feasible(cfg, p)
         if not ok:  # e.g. the TMA reduce-add below sm90: must say why
@@ -182,7 +171,7 @@ def test_backward_gpu_realistic(case: tuple, variant: int, seed: int) -> None:
 @pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH])
 def test_backward_bit_identical_gpu_large(variant: int, seed: int) -> None:
     p = Problem(2, 16, 4, 4096, 4096, 128, "bf16", True)
-    cfg = _variant_default(p, variant)
+    cfg = default_bwd(p, variant)
     a = _grads(p, "cuda", cfg, seed)
     b = _grads(p, "cuda", cfg, seed)
     for x, y in zip(a, b, strict=True):

@@ -60,6 +60,10 @@ def test_defaults_are_feasible_everywhere(d: int, s: int) -> None:
     p = Problem(2, 8, 2, s, max(s // 2, 1), d, "bf16", True)
     check_fwd(default_fwd(p), p)
     check_bwd(default_bwd(p), p)
+    for variant in (config.BWD_TWO_KERNEL, config.BWD_ONE_LAUNCH):
+        assert default_bwd(p, variant).variant == variant
+    free = Problem(2, 8, 2, s, max(s // 2, 1), d, "bf16", True, deterministic=False)
+    assert default_bwd(free, config.BWD_ATOMIC).variant == config.BWD_ATOMIC
 
 
 def test_infeasible_configs_are_rejected_with_a_reason() -> None:
@@ -208,3 +212,12 @@ def test_bwd_default_is_deterministic_for_either_kind_of_problem() -> None:
         cfg = default_bwd(p)
         assert cfg.variant != config.BWD_ATOMIC
         check_bwd(cfg, p)
+    # The default tiles as another variant: the knobs it does not use back at defaults.
+    p = Problem(2, 8, 2, 1000, 1000, 128, "bf16", True)
+    one = default_bwd(p, config.BWD_ONE_LAUNCH)
+    assert (one.dq_warps, one.dq_stages) == (BwdConfig().dq_warps, BwdConfig().dq_stages)
+    assert one.dkdv_block_m == default_bwd(p).dkdv_block_m
+    with pytest.raises(InfeasibleConfigError, match="serves only deterministic=False"):
+        default_bwd(p, config.BWD_ATOMIC)
+    with pytest.raises(InfeasibleConfigError, match="not built yet"):
+        default_bwd(p, config.BWD_HOPPER)
