@@ -135,6 +135,7 @@ class Problem:
     causal: bool = False
     window: tuple[int, int] = field(default=(-1, -1))
     softcap: float = 0.0
+    deterministic: bool = True
     # Packed (varlen) batches: the token totals (0 for a dense batch). ``batch`` is then the
     # number of sequences and ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths.
     total_q: int = 0

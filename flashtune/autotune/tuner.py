@@ -238,8 +238,11 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
             study.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
     if s.sampler == "grid":
+        variants = s.space.variants(problem)
         for params in s.space.grid():
-            study.enqueue_trial(params, user_attrs={"seed_source": "grid"}, skip_if_exists=True)
+            if params.get("variant", 0) in variants or not variants:
+                study.enqueue_trial(params, user_attrs={"seed_source": "grid"},
+                                    skip_if_exists=True)
     search = Search(problem, direction, study, s, target.session, lookahead=lookahead,
                     n_startup=n_startup, t_start=t_start, progress=progress)
     search.run()

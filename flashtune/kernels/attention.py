@@ -214,11 +214,10 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               window: tuple[int, int], softcap: float, enc: Sequence[int],
               deterministic: bool = True,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is carried for backward variants to come: today's backward is
-    # deterministic either way (no atomics; GQA groups summed in a fixed order).
+    # ``deterministic=True`` makes the launcher refuse the atomic-dQ variant.
     cfg = _bwd_config(enc, q, k, causal, window, softcap)
     return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
-                    softcap=softcap, config=cfg)
+                    softcap=softcap, config=cfg, deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -315,12 +314,12 @@ class FlashAttnFunc(torch.autograd.Function):
 @functools.lru_cache(maxsize=4096)
 def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape: tuple[int, ...],
                   k_shape: tuple[int, ...], dtype: torch.dtype, causal: bool,
-                  window: tuple[int, int], softcap: float) -> None:
+                  window: tuple[int, int], softcap: float, deterministic: bool = True) -> None:
     """Feasibility of a forced config, checked once per (config, shape) and then cached."""
     b, hq, sq, d = q_shape
     p = Problem(batch=b, heads_q=hq, heads_kv=k_shape[1], seqlen_q=sq, seqlen_k=k_shape[2],
                 head_dim=d, dtype=dtype_name(dtype), causal=causal,
-                window=window, softcap=softcap)
+                window=window, softcap=softcap, deterministic=deterministic)
     if fwd_cfg is not None:
         check_fwd(fwd_cfg, p)
     if bwd_cfg is not None:
@@ -340,10 +339,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     ``softcap * tanh(s / softcap)`` to the scores. Returns the output (q's shape and
     dtype), plus the natural-log LSE (B, Hq, Sq) fp32 with ``return_lse=True``.
     ``config`` forces a forward and/or backward config; otherwise the installed
-    resolver (the dispatcher, or the heuristic default) chooses. The backward is
-    deterministic whatever ``deterministic`` says (it is accepted, and carried to the
-    backward, for flash-attn compatibility; faster variants with a free dQ order may later
-    serve ``False``).
+    resolver (the dispatcher, or the heuristic default) chooses. ``deterministic=True``
+    (the default) gives bit-identical gradients; ``False`` also allows backward variants
+    whose dQ summation order is not fixed (a forced ``BwdConfig(variant=1)`` needs it).
 
     The layout is PyTorch SDPA's: heads before sequence. For flash-attn's (B, S, H, D)
     tensors use :func:`flash_attn_func`, or pass ``x.transpose(1, 2)`` (no copy).
@@ -356,7 +354,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             if cfg is not None:
                 validate_config(cfg)
         _check_forced(fwd_cfg, bwd_cfg, tuple(q.shape), tuple(k.shape), q.dtype, causal, window,
-                      cap)
+                      cap, deterministic)
     fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)
     if torch.compiler.is_compiling():
         o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, deterministic,

@@ -63,6 +63,15 @@ def knob(default: Any, choices: tuple[Any, ...], doc: str, part: str | None = No
 
 _P, _H = (PORTABLE,), (HOPPER,)
 
+# Backward kernel families (BwdConfig.variant).
+BWD_TWO_KERNEL = 0  # dK/dV kernel + a dQ kernel that recomputes: 7 products, deterministic
+BWD_ATOMIC = 1  # dQ added with atomics inside the dK/dV kernel: 5 products, no fixed order
+BWD_ONE_LAUNCH = 2  # the programs of variant 0 in one grid, as FlexAttention: deterministic
+BWD_HOPPER = 3  # FA3-style Gluon backward for sm90 (kernels/attn_bwd_hopper.py)
+BWD_VARIANT_NAMES = {BWD_TWO_KERNEL: "portable", BWD_ATOMIC: "portable-atomic",
+                     BWD_ONE_LAUNCH: "portable-one-launch", BWD_HOPPER: "hopper"}
+_BP = (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)
+
 
 @dataclass(frozen=True)
 class FwdConfig:
@@ -97,19 +106,45 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Backward: a dK/dV kernel (keys held, loop over queries) and a dQ kernel (queries held,
-    loop over keys), each with its own tile and launch knobs, plus the delta preprocess."""
+    """Backward: the delta preprocess, then, by ``variant``:
 
-    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv")
-    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program", "dkdv")
-    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program", "dkdv")
-    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth", "dkdv")
-    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program", "dq")
-    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq")
-    dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq")
-    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq")
+    - 0 (two kernels): a dK/dV kernel (keys held, loop over queries) and a dQ kernel
+      (queries held, loop over keys) that recomputes QK^T and dO.V^T: seven matrix
+      products, deterministic.
+    - 1 (atomic dQ): the dK/dV kernel also adds each dQ contribution to an fp32
+      accumulator with atomics (a tensor-descriptor reduce-add with ``dkdv_atomic_tma``),
+      then a small kernel scales and casts it: five products, no fixed dQ order, so only
+      for ``deterministic=False``. ``dq_block_m`` / ``dq_warps`` size that last kernel.
+    - 2 (one launch): the dK/dV and dQ programs of variant 0 in one grid, dK/dV programs
+      first; ``dkdv_warps`` / ``dkdv_stages`` apply to the whole launch. Deterministic.
+    - 3: the Hopper (Gluon) backward, reserved.
+    """
+
+    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv",
+                             variants=_BP)
+    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program", "dkdv",
+                             variants=_BP)
+    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program (one launch: every program)",
+                           "dkdv", variants=_BP)
+    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth (one launch: every program)",
+                            "dkdv", variants=_BP)
+    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program (atomic dQ: "
+                           "rows per program of the scale-and-cast kernel)", "dq", variants=_BP)
+    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq",
+                           variants=(BWD_TWO_KERNEL, BWD_ONE_LAUNCH))
+    dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq",
+                         variants=(BWD_TWO_KERNEL, BWD_ATOMIC))
+    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq", variants=(BWD_TWO_KERNEL,))
     pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program", "pre")
-    maxnreg: int = knob(0, MAXNREG, "register cap per thread for both kernels (0 = compiler)")
+    maxnreg: int = knob(0, MAXNREG, "register cap per thread for every launch (0 = compiler)",
+                        variants=_BP)
+    variant: int = knob(BWD_TWO_KERNEL, tuple(BWD_VARIANT_NAMES),
+                        "kernel family: 0 two portable kernels (7 products), 1 portable with "
+                        "atomic dQ (5 products, not deterministic), 2 portable in one launch, "
+                        "3 Hopper (reserved)")
+    dkdv_atomic_tma: int = knob(0, (0, 1), "dK/dV, atomic dQ: add dQ through a tensor "
+                                "descriptor (TMA reduce-add on sm90) instead of pointer "
+                                "atomics", "dkdv", variants=(BWD_ATOMIC,))
 
     kind = "bwd"
 
@@ -140,7 +175,8 @@ def active_fields(cls: type, variant: int | None = None) -> list[str]:
 def variant_of(params: Any) -> int | None:
     """The ``variant`` of a config or a params mapping (None when it has none)."""
     if isinstance(params, dict):
-        return params.get("variant", PORTABLE if "num_warps" in params else None)
+        portable = "num_warps" in params or "dkdv_warps" in params
+        return params.get("variant", PORTABLE if portable else None)
     return getattr(params, "variant", None)
 
 
@@ -234,15 +270,16 @@ def _check_smem(where: str, need: int, smem_bytes: int) -> None:
             f"{where}: estimated shared memory {need} B exceeds the device's {smem_bytes} B")
 
 
-def _check_unused_at_default(c: FwdConfig) -> None:
-    default = FwdConfig()
+def _check_unused_at_default(c: FwdConfig | BwdConfig) -> None:
+    default = type(c)()
+    names = VARIANT_NAMES if isinstance(c, FwdConfig) else BWD_VARIANT_NAMES
     for f in dataclasses.fields(c):
         used = f.metadata.get("variants")
         if used is not None and c.variant not in used \
                 and getattr(c, f.name) != getattr(default, f.name):
             raise InfeasibleConfigError(
-                f"fwd: {f.name}={getattr(c, f.name)} has no meaning for the "
-                f"{VARIANT_NAMES[c.variant]} kernel; leave it at {getattr(default, f.name)}")
+                f"{c.kind}: {f.name}={getattr(c, f.name)} has no meaning for the "
+                f"{names[c.variant]} kernel; leave it at {getattr(default, f.name)}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -328,18 +365,73 @@ def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
             f"or Triton >= 3.7)")
 
 
+def variant_unavailable(direction: str, variant: int, p: Problem) -> str:
+    """Why no config of ``variant`` can serve ``p`` whatever its other knobs ('' if some
+    may): the search space leaves such variants out before sampling."""
+    if direction != "bwd":
+        return ""
+    if variant == BWD_HOPPER:
+        return "bwd hopper: not built yet"
+    if variant == BWD_ATOMIC and p.deterministic:
+        return ("bwd portable-atomic: dQ is summed with atomics in no fixed order, so it "
+                "serves only deterministic=False (this problem is deterministic=True)")
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def descriptor_reduce_support() -> str:
+    """'' when a tensor-descriptor atomic_add can run here, else why not. Checked once."""
+    from flashtune._env import interpreting
+
+    if interpreting():
+        return "the CPU interpreter has no tensor-descriptor atomic_add"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cc = torch.cuda.get_device_capability()
+    if cc[0] < 9:
+        return f"the device is sm{cc[0]}{cc[1]}; descriptor reduce-adds need sm90 or newer"
+    return ""
+
+
+def smem_dq_tile(c: BwdConfig, d: int) -> int:
+    # Atomic dQ through TMA: the fp32 [dkdv_block_m, D] tile is staged in shared memory.
+    return 4 * c.dkdv_block_m * d if c.dkdv_atomic_tma else 0
+
+
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
+    """Raise InfeasibleConfigError (with the reason) if ``c`` cannot run ``p``."""
+    _check_unused_at_default(c)
+    reason = variant_unavailable("bwd", c.variant, p)
+    if reason:
+        raise InfeasibleConfigError(reason)
+    if c.dkdv_atomic_tma:
+        reason = descriptor_reduce_support()
+        if reason:
+            raise InfeasibleConfigError(f"bwd portable-atomic: dkdv_atomic_tma=1: {reason}")
     d = padded_head_dim(p.head_dim)
+    one_launch = c.variant == BWD_ONE_LAUNCH
+    # In one launch, every program runs with the dK/dV launch knobs.
+    dq_warps = c.dkdv_warps if one_launch else c.dq_warps
     _check_launch("bwd dkdv", c.dkdv_block_n, c.dkdv_warps)
-    _check_launch("bwd dq", c.dq_block_m, c.dq_warps)
-    _check_smem("bwd dkdv", smem_dkdv(c, d), smem_bytes)
-    _check_smem("bwd dq", smem_dq(c, d), smem_bytes)
-    # dK/dV: two fp32 accumulators (dk, dv) plus the P^T and dP^T tiles; dQ: one accumulator
-    # plus the P and dP tiles.
-    r1 = (2 * c.dkdv_block_n * d + 2 * c.dkdv_block_n * c.dkdv_block_m) / (32 * c.dkdv_warps)
-    r2 = (c.dq_block_m * d + 2 * c.dq_block_m * c.dq_block_n) / (32 * c.dq_warps)
+    _check_launch("bwd dq", c.dq_block_m, dq_warps)
+    if one_launch:
+        # Each program runs one of the two bodies: the launch needs the larger of the two.
+        one = dataclasses.replace(c, dq_stages=c.dkdv_stages)
+        _check_smem("bwd one launch", max(smem_dkdv(c, d), smem_dq(one, d)), smem_bytes)
+    else:
+        _check_smem("bwd dkdv", smem_dkdv(c, d) + smem_dq_tile(c, d), smem_bytes)
+        if c.variant == BWD_TWO_KERNEL:
+            _check_smem("bwd dq", smem_dq(c, d), smem_bytes)
+    # dK/dV: two fp32 accumulators (dk, dv) plus the P^T and dP^T tiles, and with atomic dQ
+    # the fp32 dQ tile of each step; dQ: one accumulator plus the P and dP tiles.
+    r1 = (2 * c.dkdv_block_n * d + 2 * c.dkdv_block_n * c.dkdv_block_m
+          + (c.dkdv_block_m * d if c.variant == BWD_ATOMIC else 0)) / (32 * c.dkdv_warps)
     _check_regs("bwd dkdv", r1, c.maxnreg, c.dkdv_warps)
-    _check_regs("bwd dq", r2, c.maxnreg, c.dq_warps)
+    if c.variant != BWD_ATOMIC:
+        r2 = (c.dq_block_m * d + 2 * c.dq_block_m * c.dq_block_n) / (32 * dq_warps)
+        _check_regs("bwd dq", r2, c.maxnreg, dq_warps)
 
 
 def check(c: FwdConfig | BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
@@ -399,8 +491,10 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
     return c
 
 
-def default_bwd(p: Problem) -> BwdConfig:
-    """Heuristic backward config, always feasible."""
+def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
+    """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
+    the two-kernel backward (no other variant is measured faster yet); else that variant
+    with the same tiles (InfeasibleConfigError if the variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = BwdConfig(dkdv_block_m=32, dkdv_block_n=128, dkdv_warps=4, dkdv_stages=3,
@@ -421,7 +515,27 @@ def default_bwd(p: Problem) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
+    if variant is not None and variant != c.variant:
+        c = _as_variant(c, variant, p)
     check_bwd(c, p)
+    return c
+
+
+def _as_variant(c: BwdConfig, variant: int, p: Problem) -> BwdConfig:
+    """``c``'s tiles run as ``variant``: the knobs it does not use back at their defaults."""
+    reason = variant_unavailable("bwd", variant, p)
+    if reason:
+        raise InfeasibleConfigError(reason)
+    base, used = BwdConfig(), set(active_fields(BwdConfig, variant))
+    c = dataclasses.replace(c, variant=variant, **{
+        f.name: getattr(base, f.name) for f in dataclasses.fields(c) if f.name not in used})
+    if variant == BWD_ONE_LAUNCH:
+        # One launch, one num_warps: what the dQ tile can use, the dK/dV tile shrunk to fit
+        # its registers with it.
+        warps = min(c.dkdv_warps, max(4, c.dq_block_m // 8))
+        c = dataclasses.replace(c, dkdv_warps=warps)
+        while c.dkdv_block_n > 16 and not is_feasible(c, p)[0]:
+            c = dataclasses.replace(c, dkdv_block_n=c.dkdv_block_n // 2)
     return c
 
 

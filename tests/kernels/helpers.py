@@ -66,7 +66,8 @@ def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64
 
 def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
                bwd: BwdConfig | None = None, layout: str = "bhsd", backward: bool = True,
-               gen: torch.Generator | None = None) -> dict[str, float]:
+               gen: torch.Generator | None = None, deterministic: bool = True,
+               ) -> dict[str, float]:
     """Run flash_attention (+ backward) and assert the 2x rule on out, lse, dq, dk, dv."""
     fwd = fwd or default_fwd(p)
     bwd = bwd or default_bwd(p)
@@ -78,7 +79,8 @@ def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
     if layout == "bshd":
         assert qg.data_ptr() == q_ptr  # the view itself reaches the kernel, uncopied
     out, lse = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
-                               softcap=p.softcap, return_lse=True, config=(fwd, bwd))
+                               softcap=p.softcap, return_lse=True, config=(fwd, bwd),
+                               deterministic=deterministic)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (p.batch, p.heads_q, p.seqlen_q) and lse.dtype == torch.float32
     grads = None

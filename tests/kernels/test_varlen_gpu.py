@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtune.kernels.config import BwdConfig, FwdConfig
+from flashtune.kernels.config import (
+    BWD_ATOMIC,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    FwdConfig,
+)
 from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem
 
@@ -48,6 +54,19 @@ def test_varlen_random_large_configs(seed: int) -> None:
         check_varlen(lens, lens, 16, 4, 128, "bf16", True, (-1, -1), 0.0, "cuda", seed,
                      fwd=random_config(FwdConfig, p, rng, max_block=128, max_stages=4),
                      bwd=random_config(BwdConfig, p, rng, max_block=128, max_stages=4))
+
+
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH])
+def test_varlen_every_backward_variant_large(variant: int, seed: int) -> None:
+    rng = random.Random(seed)
+    lens = random_lengths(rng, 8, 100, 2000)
+    det = variant != BWD_ATOMIC
+    p = Problem(8, 16, 4, max(lens), max(lens), 128, "bf16", True, deterministic=det,
+                total_q=sum(lens), total_k=sum(lens))
+    for _ in range(3):
+        check_varlen(lens, lens, 16, 4, 128, "bf16", True, (-1, -1), 0.0, "cuda", seed,
+                     bwd=random_config(BwdConfig, p, rng, max_block=128, max_stages=4,
+                                       variant=variant), deterministic=det)
 
 
 def test_varlen_64_sequences_64k_tokens_bit_identical(seed: int) -> None:
