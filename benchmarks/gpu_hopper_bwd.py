@@ -23,10 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashtune.kernels import attn_bwd_hopper as HOP  # noqa: E402
 from flashtune.kernels.attn_bwd import attn_bwd  # noqa: E402
-from flashtune.kernels.attn_fwd import attn_fwd, mask_params, score_scales  # noqa: E402
-from flashtune.kernels.config import default_bwd, default_fwd  # noqa: E402
+from flashtune.kernels.attn_fwd import attn_fwd  # noqa: E402
+from flashtune.kernels.config import BWD_HOPPER, BwdConfig, default_bwd, default_fwd  # noqa: E402
 from flashtune.kernels.reference import reference_errors, within_rule  # noqa: E402
 from flashtune.problem import Problem, effective_window  # noqa: E402
 
@@ -39,12 +38,12 @@ def problem_of(q, k, causal, window, softcap) -> Problem:
 
 
 def hopper_bwd(do, q, k, v, o, lse, cfg, causal, window, softcap, scale, deterministic):
+    config = BwdConfig(variant=BWD_HOPPER, hopper_block_m=cfg["block_m"],
+                       hopper_block_n=cfg["block_n"], hopper_stages=cfg["stages"],
+                       hopper_regs=cfg["regs"], hopper_stagger=cfg.get("stagger", 1))
     window = effective_window(window, q.shape[2], k.shape[2])
-    return HOP.attn_bwd_hopper(
-        do, q, k, v, o, lse, sm_scale=scale, mask=mask_params(causal, window),
-        scales=score_scales(scale, softcap), softcap=softcap, block_m=cfg["block_m"],
-        block_n=cfg["block_n"], stages=cfg["stages"], consumer_regs=cfg["regs"],
-        deterministic=deterministic)
+    return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
+                    softcap=softcap, config=config, deterministic=deterministic)
 
 
 def forward(q, k, v, causal, window, softcap, scale):
@@ -147,9 +146,10 @@ def bench_one(b: int, h: int, s: int, d: int, causal: bool) -> dict:
     r["portable"] = bench_ms(lambda: attn_bwd(do, qd, kd, vd, o, lse, causal=causal,
                                               sm_scale=scale, window=(-1, -1), softcap=0.0,
                                               config=pc))
-    for cfg in CONFIGS[d][:1]:
-        for det in (False, True):
-            name = f"hop{cfg['block_m']}x{cfg['block_n']}{'_det' if det else ''}"
+    for cfg in CONFIGS[d][:1] + [dict(CONFIGS[d][0], stagger=0)]:
+        for det in (False, True) if cfg.get("stagger", 1) else (False, ):
+            name = (f"hop{cfg['block_m']}x{cfg['block_n']}{'' if cfg.get('stagger', 1) else 'ns'}"
+                    f"{'_det' if det else ''}")
             r[name] = bench_ms(lambda cfg=cfg, det=det: hopper_bwd(
                 do, qd, kd, vd, o, lse, cfg, causal, (-1, -1), 0.0, scale, det))
     r["tflops"] = {n: flops / (t * 1e-3) / 1e12 for n, t in r.items() if isinstance(t, float)}

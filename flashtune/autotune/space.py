@@ -119,8 +119,8 @@ class SearchSpace:
     def variants(self, problem: Problem | None = None) -> list[int]:
         """The variants of this space that may serve ``problem``: those that
         :func:`~flashtune.kernels.config.variant_unavailable` rules out whatever their other
-        knobs (the atomic backward for a deterministic problem, a kernel not built yet) are
-        left out, so they are never sampled."""
+        knobs (the atomic backward for a deterministic problem, a kernel this machine cannot
+        run) are left out, so they are never sampled."""
         vals = list(self.fields.get("variant", ()))
         if problem is None:
             return vals

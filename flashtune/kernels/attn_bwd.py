@@ -19,6 +19,8 @@ and delta buffers.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +43,12 @@ from flashtune.kernels.attn_fwd import (
 )
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_HOPPER,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BWD_VARIANT_NAMES,
     BwdConfig,
+    default_bwd,
     padded_head_dim,
 )
 
@@ -454,6 +458,8 @@ BWD_PARTS = ("pre", "dkdv", "dq")
 # The launch of the one-launch variant: its time depends on the dK/dV and dQ fields at once,
 # so the tuner cannot recombine it part by part.
 ONE_LAUNCH_PART = "dkdv+dq"
+# The Hopper backward's launches, timed as one step for the same reason.
+HOPPER_PART = "hopper"
 
 
 def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -471,10 +477,26 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     :func:`flashtune.kernels.attn_fwd.attn_fwd`. ``deterministic=True`` refuses the atomic
     variant (its dQ summation order is not fixed)."""
     c = config
+    if c.variant == BWD_HOPPER:
+        reason = "packed (varlen) batches" if packed is not None else ""
+        if not reason:
+            from flashtune.kernels import attn_bwd_hopper as hopper
+            from flashtune.kernels.attn_fwd_hopper import tma_describable
+
+            reason = tma_describable(q, k, v, do)
+            if not reason:
+                grads, launch = hopper.hopper_bwd_launch(
+                    do, q, k, v, o, lse, sm_scale=sm_scale, mask=mask_params(causal, window),
+                    scales=score_scales(sm_scale, softcap), softcap=softcap, config=c,
+                    deterministic=deterministic)
+                return grads, [(HOPPER_PART, launch)]
+        # What the Hopper kernel cannot take, the portable kernels' default serves.
+        _warn_portable_once(reason)
+        c = _portable_fallback(q, k, causal, window, softcap, packed, deterministic)
     if c.variant not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH):
         raise InfeasibleConfigError(f"BwdConfig.variant={c.variant} "
                                     f"({BWD_VARIANT_NAMES.get(c.variant, 'unknown')}) has no "
-                                    f"kernel here (allowed: 0, 1, 2)")
+                                    f"kernel here (allowed: 0, 1, 2, 3)")
     if c.variant == BWD_ATOMIC and deterministic:
         raise InfeasibleConfigError("BwdConfig.variant=1 (atomic dQ) gives no fixed dQ "
                                     "summation order: it needs deterministic=False")
@@ -551,6 +573,28 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if c.variant == BWD_ONE_LAUNCH:
         return (dq, dk, dv), [("pre", pre), (ONE_LAUNCH_PART, one_launch)]
     return (dq, dk, dv), [("pre", pre), ("dkdv", dkdv), ("dq", dq_finish if atomic else dq_)]
+
+
+def _portable_fallback(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+                       softcap: float, packed: Packed | None, deterministic: bool) -> BwdConfig:
+    from flashtune._env import dtype_name
+    from flashtune.problem import Problem
+
+    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+    if packed is not None:
+        sq, sk = max(packed.max_q, 1), max(packed.max_k, 1)
+    return default_bwd(Problem(batch=b, heads_q=hq, heads_kv=hk, seqlen_q=sq, seqlen_k=sk,
+                               head_dim=d, dtype=dtype_name(q.dtype), causal=causal,
+                               window=window, softcap=softcap, deterministic=deterministic),
+                       BWD_TWO_KERNEL)
+
+
+@functools.cache
+def _warn_portable_once(reason: str) -> None:
+    logging.getLogger("flashtune").warning(
+        "flashtune: the Hopper backward cannot take these tensors (%s); the portable kernels "
+        "run instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to use "
+        "it.", reason)
 
 
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

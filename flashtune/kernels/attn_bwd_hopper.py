@@ -32,6 +32,8 @@ This module imports Gluon's Hopper API at import time: import it only where
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 from triton._C.libtriton import ir
@@ -46,8 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtune.kernels.attn_bwd import _attn_bwd_preprocess
+from flashtune.kernels.attn_bwd import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
+from flashtune.kernels.config import BwdConfig
 
 
 @builtin
@@ -364,48 +367,63 @@ def _attn_bwd_hopper_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def attn_bwd_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
-                    mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
-                    softcap: float, block_m: int, block_n: int, stages: int,
-                    consumer_regs: int, deterministic: bool,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the delta preprocess, the Gluon backward and the dQ conversion. ``mask`` is
-    (left, right, MASK_LEFT, MASK_RIGHT) and ``scales`` (qk_scale, cap_scale, cap_log2), as
-    the portable launcher computes them. The caller has checked feasibility and that TMA can
-    describe q, k, v and do. Returns (dq, dk, dv)."""
+def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
+                      mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
+                      softcap: float, config: BwdConfig, deterministic: bool,
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                 Callable[[], None]]:
+    """The (dq, dk, dv) buffers and one callable that fills them: the delta preprocess
+    (which also zeroes the fp32 dQ accumulator), the Gluon backward, and the dQ cast.
+    ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and ``scales`` (qk_scale, cap_scale,
+    cap_log2), as the portable launcher computes them. The caller has checked feasibility
+    and that TMA can describe q, k, v and do."""
+    c = config
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     left, right, mask_left, mask_right = mask
     qk_scale, cap_scale, cap_log2 = scales
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess[(triton.cdiv(sq, 64), b * hq)](
-        o, do, delta, *o.stride(), *do.stride(), hq, sq, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64)
-    dq_acc = torch.zeros((b, hq, sq, d), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((b, hq, sq, d), device=q.device, dtype=torch.float32)
+    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    n_m = triton.cdiv(sq, block_m)
-    n_n = triton.cdiv(sk, block_n)
-    masked = mask_left or mask_right
+    m, n = c.hopper_block_m, c.hopper_block_n
+    n_m = triton.cdiv(sq, m)
+    n_n = triton.cdiv(sk, n)
     # The order of dQ turns (see _dq_turn). A program waits only for programs launched
     # before it, except in the cyclic order (ORDER 2), where the first programs of a head
     # wait for its last: there every key tile of a head must be resident at once, which
     # half the SMs guarantee with room to spare.
-    if masked:
+    if mask_left or mask_right:
         order = 1 if deterministic else 0
+    elif deterministic:
+        order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
     else:
-        order = 2 if not deterministic or n_n <= _sm_count(q.device.index or 0) // 2 else 0
+        order = 2 if c.hopper_stagger else 0
     sem = (torch.zeros((b * hq, n_m), device=q.device, dtype=torch.int32) if deterministic
            else dq_acc)
-    _attn_bwd_hopper_kernel[(triton.cdiv(sk, block_n), b * hk)](
-        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, ROWS_PER_WG),
-        _descriptor(v, ROWS_PER_WG), lse, delta, _descriptor(dq_acc, block_m), dq_acc, dk, dv,
-        sem,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
-        GQA=hq // hk, CONSUMERS=block_n // ROWS_PER_WG, BLOCK_M=block_m, STAGES=stages,
-        ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
-        DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs, num_warps=4,
-    )
-    return dq_acc.to(q.dtype), dk, dv
+    descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
+             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m))
+
+    def launch() -> None:
+        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), hq, sq,
+            HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=True)
+        if deterministic:
+            sem.zero_()
+        _attn_bwd_hopper_kernel[(n_n, b * hk)](
+            *descs[:4], lse, delta, descs[4], dq_acc, dk, dv, sem,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
+            GQA=hq // hk, CONSUMERS=n // ROWS_PER_WG, BLOCK_M=m, STAGES=c.hopper_stages,
+            ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, num_warps=4,
+        )
+        # dS carried the softmax scale: the cast scales by 1.
+        _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](
+            dq_acc, dq, *dq.stride(), hq, sq, 1.0, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64,
+            num_warps=4)
+
+    return (dq, dk, dv), launch

@@ -71,6 +71,7 @@ BWD_HOPPER = 3  # FA3-style Gluon backward for sm90 (kernels/attn_bwd_hopper.py)
 BWD_VARIANT_NAMES = {BWD_TWO_KERNEL: "portable", BWD_ATOMIC: "portable-atomic",
                      BWD_ONE_LAUNCH: "portable-one-launch", BWD_HOPPER: "hopper"}
 _BP = (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)
+_BH = (BWD_HOPPER,)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,9 @@ class BwdConfig:
       for ``deterministic=False``. ``dq_block_m`` / ``dq_warps`` size that last kernel.
     - 2 (one launch): the dK/dV and dQ programs of variant 0 in one grid, dK/dV programs
       first; ``dkdv_warps`` / ``dkdv_stages`` apply to the whole launch. Deterministic.
-    - 3: the Hopper (Gluon) backward, reserved.
+    - 3 (Hopper): the FA3-style Gluon backward for sm90 (``kernels/attn_bwd_hopper.py``):
+      five products, dQ by TMA reduce-add; with ``deterministic=True`` the dQ adds of each
+      query tile take turns in a fixed order. Its knobs are the ``hopper_*`` fields.
     """
 
     dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv",
@@ -141,10 +144,19 @@ class BwdConfig:
     variant: int = knob(BWD_TWO_KERNEL, tuple(BWD_VARIANT_NAMES),
                         "kernel family: 0 two portable kernels (7 products), 1 portable with "
                         "atomic dQ (5 products, not deterministic), 2 portable in one launch, "
-                        "3 Hopper (reserved)")
+                        "3 Hopper (Gluon, sm90)")
     dkdv_atomic_tma: int = knob(0, (0, 1), "dK/dV, atomic dQ: add dQ through a tensor "
                                 "descriptor (TMA reduce-add on sm90) instead of pointer "
                                 "atomics", "dkdv", variants=(BWD_ATOMIC,))
+    hopper_block_m: int = knob(64, (64, 128), "Hopper: query rows per step (128: D <= 64)",
+                               variants=_BH)
+    hopper_block_n: int = knob(128, (64, 128), "Hopper: keys held per program (one consumer "
+                               "warpgroup per 64)", variants=_BH)
+    hopper_stages: int = knob(2, (1, 2, 3), "Hopper: Q/dO ring buffers", variants=_BH)
+    hopper_regs: int = knob(240, (216, 232, 240), "Hopper: registers per consumer thread",
+                            variants=_BH)
+    hopper_stagger: int = knob(1, (0, 1), "Hopper, no mask: each key tile starts its walk "
+                               "over the queries at its own offset", variants=_BH)
 
     kind = "bwd"
 
@@ -371,7 +383,7 @@ def variant_unavailable(direction: str, variant: int, p: Problem) -> str:
     if direction != "bwd":
         return ""
     if variant == BWD_HOPPER:
-        return "bwd hopper: not built yet"
+        return _bwd_hopper_unavailable(p)
     if variant == BWD_ATOMIC and p.deterministic:
         return ("bwd portable-atomic: dQ is summed with atomics in no fixed order, so it "
                 "serves only deterministic=False (this problem is deterministic=True)")
@@ -400,12 +412,40 @@ def smem_dq_tile(c: BwdConfig, d: int) -> int:
     return 4 * c.dkdv_block_m * d if c.dkdv_atomic_tma else 0
 
 
+def _bwd_hopper_unavailable(p: Problem) -> str:
+    if p.packed:
+        return "bwd hopper: packed (varlen) batches run on the portable kernels only"
+    if p.head_dim not in (64, 128):
+        return f"bwd hopper: head_dim {p.head_dim} is not supported (allowed: 64, 128)"
+    reason = hopper_support()
+    return f"bwd hopper: {reason}" if reason else ""
+
+
+def smem_bwd_hopper(c: BwdConfig, d: int, deterministic: bool) -> int:
+    # Q and dO rings, the held K and V, each consumer's dS tile, and (without the fixed
+    # order, which adds from registers) each consumer's fp32 dQ tile for the TMA reduce.
+    m, n = c.hopper_block_m, c.hopper_block_n
+    dq = 0 if deterministic else 4 * m * d * (n // 64)
+    return 2 * (2 * c.hopper_stages * m * d + 2 * n * d + n * m) + dq + 1024
+
+
+def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
+    if c.hopper_block_m == 128 and p.head_dim > 64:
+        raise InfeasibleConfigError(
+            f"bwd hopper: hopper_block_m=128 needs head_dim <= 64 (got {p.head_dim}): a "
+            f"consumer holds dK, dV and a 128-row dQ tile in registers")
+    _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, p.deterministic), smem_bytes)
+
+
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
     """Raise InfeasibleConfigError (with the reason) if ``c`` cannot run ``p``."""
     _check_unused_at_default(c)
     reason = variant_unavailable("bwd", c.variant, p)
     if reason:
         raise InfeasibleConfigError(reason)
+    if c.variant == BWD_HOPPER:
+        _check_bwd_hopper(c, p, smem_bytes)
+        return
     if c.dkdv_atomic_tma:
         reason = descriptor_reduce_support()
         if reason:
@@ -493,8 +533,9 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
 
 def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
-    the two-kernel backward (no other variant is measured faster yet); else that variant
-    with the same tiles (InfeasibleConfigError if the variant cannot serve ``p``)."""
+    the Hopper backward for ``deterministic=False`` where it can run, else the two-kernel
+    backward; else that variant (the portable ones with the same tiles;
+    InfeasibleConfigError if the variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = BwdConfig(dkdv_block_m=32, dkdv_block_n=128, dkdv_warps=4, dkdv_stages=3,
@@ -515,7 +556,16 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
-    if variant is not None and variant != c.variant:
+    if variant is None and not p.deterministic and not _bwd_hopper_unavailable(p):
+        # Measured on the H200: the Hopper backward beats the portable one when dQ may be
+        # summed in any order; in the fixed order its turns cost more than they save.
+        variant = BWD_HOPPER
+    if variant == BWD_HOPPER:
+        reason = _bwd_hopper_unavailable(p)
+        if reason:
+            raise InfeasibleConfigError(reason)
+        c = BwdConfig(variant=BWD_HOPPER, pre_block_m=c.pre_block_m)
+    elif variant is not None and variant != c.variant:
         c = _as_variant(c, variant, p)
     check_bwd(c, p)
     return c

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import multiprocessing as mp
 import random
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -139,3 +143,34 @@ def case_problem(c: tuple) -> Problem:
 
 def replace(cfg, **kw):  # type: ignore[no-untyped-def]
     return dataclasses.replace(cfg, **kw)
+
+
+# ----------------------------------------------------------------------------- GPU watchdog
+
+
+def _watched_child(module: str, name: str, seed: int, conn: Any) -> None:
+    try:
+        conn.send(("ok", getattr(importlib.import_module(module), name)(seed)))
+    except BaseException:  # report anything, the parent decides
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_watched(module: str, name: str, seed: int, timeout_s: float) -> list[str]:
+    """Run ``module.name(seed)`` in a child process and return its list of failures; fail
+    the test if it does not finish in ``timeout_s`` (a barrier mistake in a Gluon kernel
+    hangs the GPU: the watchdog turns that into a failed test instead of a hung run)."""
+    import pytest
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_watched_child, args=(module, name, seed, child), daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(timeout_s):
+        proc.kill()
+        proc.join()
+        pytest.fail(f"watchdog: {name} did not finish in {timeout_s:.0f} s (a hung barrier?)")
+    status, payload = parent.recv()
+    proc.join()
+    assert status == "ok", payload
+    return payload  # type: ignore[no-any-return]

@@ -146,7 +146,8 @@ def test_tma_rule_matches_ptxas_records(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_bwd_variants_use_their_own_knobs_and_leave_the_rest_at_defaults() -> None:
-    fields = set(config_fields(BwdConfig))
+    # The Hopper variant's own knobs are tested in test_config_hopper_bwd.py.
+    fields = {f for f in config_fields(BwdConfig) if not f.startswith("hopper_")}
     two, atomic, one = (set(config.active_fields(BwdConfig, v)) for v in
                         (config.BWD_TWO_KERNEL, config.BWD_ATOMIC, config.BWD_ONE_LAUNCH))
     assert two == fields - {"dkdv_atomic_tma"}
@@ -172,7 +173,8 @@ def test_bwd_variant_feasibility_reasons(monkeypatch: pytest.MonkeyPatch) -> Non
     check_bwd(atomic, free)
     for p in (det, free):
         check_bwd(BwdConfig(variant=config.BWD_ONE_LAUNCH), p)
-        with pytest.raises(InfeasibleConfigError, match="bwd hopper: not built yet"):
+        # Under the interpreter (CI) the Gluon backward cannot run, with the reason.
+        with pytest.raises(InfeasibleConfigError, match="bwd hopper: the CPU interpreter"):
             check_bwd(BwdConfig(variant=config.BWD_HOPPER), p)
     assert config.BWD_VARIANT_NAMES[config.BWD_HOPPER] == "hopper"
     # The descriptor reduce-add only where the device has it, with the reason otherwise.
@@ -219,5 +221,5 @@ def test_bwd_default_is_deterministic_for_either_kind_of_problem() -> None:
     assert one.dkdv_block_m == default_bwd(p).dkdv_block_m
     with pytest.raises(InfeasibleConfigError, match="serves only deterministic=False"):
         default_bwd(p, config.BWD_ATOMIC)
-    with pytest.raises(InfeasibleConfigError, match="not built yet"):
+    with pytest.raises(InfeasibleConfigError, match="bwd hopper: the CPU interpreter"):
         default_bwd(p, config.BWD_HOPPER)
