@@ -141,6 +141,16 @@ def case_problem(c: tuple) -> Problem:
     return Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
 
 
+def random_problem(rng: random.Random, deterministic: bool = True) -> Problem:
+    """An odd-shaped problem for the Hopper kernels' random-config runs: D 64 or 128, any
+    lengths below 900, GQA, causal, window and softcap at random."""
+    hk = rng.choice([1, 2, 4])
+    return Problem(rng.randint(1, 2), hk * rng.choice([1, 2]), hk, rng.randint(1, 900),
+                   rng.randint(1, 900), rng.choice([64, 128]), rng.choice(["fp16", "bf16"]),
+                   rng.random() < 0.5, rng.choice([(-1, -1), (-1, -1), (64, 16)]),
+                   rng.choice([0.0, 0.0, 20.0]), deterministic=deterministic)
+
+
 def replace(cfg, **kw):  # type: ignore[no-untyped-def]
     return dataclasses.replace(cfg, **kw)
 

@@ -62,19 +62,13 @@ def _random_configs(seed: int) -> list[str]:
     """24 random feasible Hopper backward configs, each on a random odd-shaped problem."""
     import torch
 
-    from flashtune.problem import Problem
-
-    from .helpers import check_case
+    from .helpers import check_case, random_problem
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     failures = []
     for _ in range(24):
-        hk = rng.choice([1, 2, 4])
-        p = Problem(rng.randint(1, 2), hk * rng.choice([1, 2]), hk, rng.randint(1, 900),
-                    rng.randint(1, 900), rng.choice([64, 128]), rng.choice(["fp16", "bf16"]),
-                    rng.random() < 0.5, rng.choice([(-1, -1), (-1, -1), (64, 16)]),
-                    rng.choice([0.0, 0.0, 20.0]), deterministic=rng.random() < 0.5)
+        p = random_problem(rng, deterministic=rng.random() < 0.5)
         cfg = _hopper_bwd_configs(p, rng, 2)[-1]
         try:
             check_case(p, "cuda", bwd=cfg, gen=gen, deterministic=p.deterministic)
