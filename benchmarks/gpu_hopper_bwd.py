@@ -146,12 +146,13 @@ def bench_one(b: int, h: int, s: int, d: int, causal: bool) -> dict:
     r["portable"] = bench_ms(lambda: attn_bwd(do, qd, kd, vd, o, lse, causal=causal,
                                               sm_scale=scale, window=(-1, -1), softcap=0.0,
                                               config=pc))
-    for cfg in CONFIGS[d][:1] + [dict(CONFIGS[d][0], stagger=0)]:
-        for det in (False, True) if cfg.get("stagger", 1) else (False, ):
-            name = (f"hop{cfg['block_m']}x{cfg['block_n']}{'' if cfg.get('stagger', 1) else 'ns'}"
-                    f"{'_det' if det else ''}")
-            r[name] = bench_ms(lambda cfg=cfg, det=det: hopper_bwd(
-                do, qd, kd, vd, o, lse, cfg, causal, (-1, -1), 0.0, scale, det))
+    base = CONFIGS[d][0]
+    for cfg, det in ((base, False), (dict(base, stagger=0), False), (base, True),
+                     (dict(base, stages=3), True)):
+        name = (f"hop{cfg['block_m']}x{cfg['block_n']}s{cfg['stages']}"
+                f"{'' if cfg.get('stagger', 1) else 'ns'}{'_det' if det else ''}")
+        r[name] = bench_ms(lambda cfg=cfg, det=det: hopper_bwd(
+            do, qd, kd, vd, o, lse, cfg, causal, (-1, -1), 0.0, scale, det))
     r["tflops"] = {n: flops / (t * 1e-3) / 1e12 for n, t in r.items() if isinstance(t, float)}
     return r
 

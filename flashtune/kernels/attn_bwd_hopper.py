@@ -13,13 +13,15 @@ every query tile that can see it (for GQA, of every query head of the group, in 
       Sᵀ = K·Qᵀ,  dPᵀ = V·dOᵀ,  Pᵀ = exp2(Sᵀ·scale - LSE),  dSᵀ = Pᵀ ∘ (dPᵀ - Δ)
       dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ(tile) = dS·K   (dSᵀ through shared memory)
 
-  Five matrix products per tile pair, none recomputed. Each consumer's dQ contribution is
-  added into an fp32 accumulator in global memory; the host converts it at the end.
+  Five matrix products per tile pair, none recomputed. The dQ contributions are added
+  into an fp32 accumulator in global memory; a small kernel casts it at the end.
 
-**Order of the dQ sums.** With ``DETERMINISTIC`` each (query head, query tile) has a
-semaphore: the consumers add their contributions in a fixed order (key tiles ascending,
-then consumer index), each waiting until the count equals its rank. Without it the adds
-race (faster; the fp32 sum order varies from run to run). dK and dV never race: one
+**Order of the dQ sums.** Without ``DETERMINISTIC`` each consumer stages its keys' share
+of the dQ tile in shared memory and adds it with one TMA reduce-add: fast, but the fp32
+sum order varies from run to run. With it, the two consumers split dQ's columns instead
+(each multiplies the whole dS tile by its half of K), and each (query tile, column half)
+has a semaphore: the key tiles add their contributions from registers in a fixed order,
+each waiting until the count equals its rank (see ``_dq_turn``). dK and dV never race: one
 program owns each key tile, and GQA heads are summed in order.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
@@ -140,7 +142,8 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
     they take turns in the order they reach it when programs advance in step: ORDER 0
     ascending; ORDER 1 (masked: a later key tile starts its walk at a later query tile, so
     it reaches each query tile sooner) descending; ORDER 2 cyclically, from the key tile
-    whose walk started at or last before the query tile. Consumer 0 goes before 1."""
+    whose walk started at or last before the query tile. Each consumer adds its own
+    columns of dQ, so each has its own semaphore."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     n_n = gl.num_programs(0)
     m = start // BLOCK_M
@@ -154,12 +157,12 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
             rank = last // BLOCK_N - 1 - pid_n
         else:
             rank = pid_n - first // BLOCK_N
-    return Sem + sem_row + m, rank * CONSUMERS + cid
+    return Sem + (sem_row + m) * CONSUMERS + cid, rank
 
 
 @gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                  kv_ready, q_full, q_empty, do_full, do_empty,
+                  kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
                   LSE, Delta, desc_dq, DQ, DK, DV, Sem,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
@@ -190,7 +193,10 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     n0 = pid_n * BLOCK_N
     keys = n0 + cid * 64 + gl.arange(0, 64, layout=row_s)
     zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
+    SPLIT_D: gl.constexpr = DETERMINISTIC and CONSUMERS == 2
+    DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
     dk = gl.zeros([64, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, D], gl.float32, layout=acc_layout)
     k = k_smem.index(cid)
@@ -239,17 +245,37 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
                                is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
-            # dQ = dS·K: dSᵀ goes through shared memory to be read transposed.
+            # dQ = dS·K: each consumer's dSᵀ goes through shared memory (read transposed).
+            # In the fixed order (SPLIT_D) each consumer computes its own DQ_COLS columns
+            # over all BLOCK_N keys, so the two take their turns on disjoint columns;
+            # otherwise each adds its own keys' share of every column, and the consumers
+            # run unsynchronised (one's exponentials overlap the other's products).
+            if SPLIT_D:
+                mbarrier.wait(ds_free, (cnt & 1) ^ 1)  # the last tile's dQ products are done
             ds_buf.store(ds16)
             fence_async_shared()
             gl.thread_barrier()
-            dq = warpgroup_mma(ds_buf.permute((1, 0)), k, zero_q, use_acc=False, is_async=True)
+            if SPLIT_D:
+                mbarrier.arrive(ds_ready, count=1)
+                mbarrier.wait(ds_ready, cnt & 1)
+                dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+                for j in gl.static_range(CONSUMERS):
+                    dq = warpgroup_mma(ds_smem.index(j).permute((1, 0)),
+                                       k_smem.index(j).slice(cid * DQ_COLS, DQ_COLS, dim=1),
+                                       dq, is_async=True)
+            else:
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
             dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+            if SPLIT_D:
+                mbarrier.arrive(ds_free, count=1)
             mbarrier.arrive(q_empty.index(buf), count=1)
             mbarrier.arrive(do_empty.index(buf), count=1)
             if DETERMINISTIC:
-                rows = start + gl.arange(0, BLOCK_M, layout=row_a)
-                dq_ptrs = DQ + (bh * seq_q + rows.to(gl.int64))[:, None] * D + dq_cols[None, :]
+                rows = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                cols = cid * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+                dq_ptrs = DQ + (bh * seq_q + rows.to(gl.int64))[:, None] * D + cols[None, :]
                 dq_mask = (rows < seq_q)[:, None]
                 sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
                                      left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
@@ -312,6 +338,10 @@ def _attn_bwd_hopper_kernel(
         dq_smem = ds_smem
     else:
         dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, D], dq_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=CONSUMERS)
+    mbarrier.init(ds_free, count=CONSUMERS)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -331,16 +361,16 @@ def _attn_bwd_hopper_kernel(
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, LSE, Delta, desc_dq, DQ, DK,
-                             DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, LSE, Delta, desc_dq, DQ, DK,
-                             DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
@@ -354,8 +384,8 @@ def _attn_bwd_hopper_kernel(
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, LSE, Delta, desc_dq, DQ, DK,
-                             DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
@@ -402,8 +432,9 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
     else:
         order = 2 if c.hopper_stagger else 0
-    sem = (torch.zeros((b * hq, n_m), device=q.device, dtype=torch.int32) if deterministic
-           else dq_acc)
+    consumers = n // ROWS_PER_WG
+    sem = (torch.zeros((b * hq, n_m, consumers), device=q.device, dtype=torch.int32)
+           if deterministic else dq_acc)
     descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
              _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m))
 
@@ -417,7 +448,7 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             *descs[:4], lse, delta, descs[4], dq_acc, dk, dv, sem,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
-            GQA=hq // hk, CONSUMERS=n // ROWS_PER_WG, BLOCK_M=m, STAGES=c.hopper_stages,
+            GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
             ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
             DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, num_warps=4,
         )

@@ -355,10 +355,12 @@ def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> Any:
-    d = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
-                            _smem_layout(rows, d, t.dtype))
+def _descriptor(t: torch.Tensor, rows: int, cols: int = 0) -> Any:
+    """A rank-4 TMA descriptor over ``t`` whose box is ``rows`` rows of one head, ``cols``
+    wide (default: the whole head dim)."""
+    cols = cols or t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols],
+                            _smem_layout(rows, cols, t.dtype))
 
 
 @functools.lru_cache(maxsize=16)

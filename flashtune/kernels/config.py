@@ -152,7 +152,7 @@ class BwdConfig:
                                variants=_BH)
     hopper_block_n: int = knob(128, (64, 128), "Hopper: keys held per program (one consumer "
                                "warpgroup per 64)", variants=_BH)
-    hopper_stages: int = knob(2, (1, 2, 3), "Hopper: Q/dO ring buffers", variants=_BH)
+    hopper_stages: int = knob(2, (1, 2, 3, 4), "Hopper: Q/dO ring buffers", variants=_BH)
     hopper_regs: int = knob(240, (216, 232, 240), "Hopper: registers per consumer thread",
                             variants=_BH)
     hopper_stagger: int = knob(1, (0, 1), "Hopper, no mask: each key tile starts its walk "
