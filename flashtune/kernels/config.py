@@ -497,6 +497,18 @@ def _fit_rows(block: int, n: int) -> int:
     return max(16, min(block, 1 << max(n - 1, 1).bit_length()))
 
 
+# Below this many scores per call the kernels run for a few microseconds and the call is
+# bound by host time, where the portable launch is cheaper than the Hopper one (which builds
+# TMA descriptors per call): bench_overhead.py measured 48 us against 20 us per call at
+# B=1, H=1, S=128, D=64 on the H200.
+HOST_BOUND_SCORES = 1 << 22
+
+
+def host_bound(p: Problem) -> bool:
+    """A call so small that host time, not the kernel, decides its speed."""
+    return p.batch * p.heads_q * p.seqlen_q * p.seqlen_k < HOST_BOUND_SCORES
+
+
 def default_fwd(p: Problem) -> FwdConfig:
     """Heuristic forward config, always feasible: the Hopper kernel where it can run and was
     measured faster (1.14x the portable default, geomean over the standard matrix on the
@@ -505,7 +517,7 @@ def default_fwd(p: Problem) -> FwdConfig:
     # (H200, BENCHMARKS.md: S <= 2048, 0.83-0.98x), so they stay portable.
     short_causal_64 = p.causal and p.head_dim == 64 and p.seqlen_q <= 2048
     if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not short_causal_64 \
-            and not p.packed and not hopper_support():
+            and not p.packed and not host_bound(p) and not hopper_support():
         # Measured on the H200 (BENCHMARKS.md): a persistent grid helps without a mask; with
         # the causal diagonal, one tile per program balances better.
         if p.causal or p.window != (-1, -1):
@@ -556,7 +568,8 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
-    if variant is None and not p.deterministic and not _bwd_hopper_unavailable(p):
+    if variant is None and not p.deterministic and not host_bound(p) \
+            and not _bwd_hopper_unavailable(p):
         # Measured on the H200: the Hopper backward beats the portable one when dQ may be
         # summed in any order; in the fixed order its turns cost more than they save.
         variant = BWD_HOPPER

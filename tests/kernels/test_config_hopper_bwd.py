@@ -119,3 +119,18 @@ def test_space_samples_hopper_knobs_only_for_the_hopper(on_hopper: None) -> None
     # Deterministic problems still sample it (its fixed-order mode), never the atomic one.
     det = dataclasses.replace(P, deterministic=True)
     assert BWD_HOPPER in space.variants(det) and 1 not in space.variants(det)
+
+
+def test_host_bound_calls_keep_the_portable_kernels(on_hopper: None) -> None:
+    """Tiny calls are bound by host time, where the Hopper launches (TMA descriptors built
+    per call) cost more than they save: both defaults stay portable there."""
+    from flashtune.kernels.config import HOPPER, default_fwd
+
+    tiny = Problem(batch=1, heads_q=1, heads_kv=1, seqlen_q=128, seqlen_k=128, head_dim=64,
+                   deterministic=False)
+    assert default_fwd(tiny).variant != HOPPER
+    assert default_bwd(tiny).variant == BWD_TWO_KERNEL
+    big = dataclasses.replace(tiny, batch=8, heads_q=16, heads_kv=16, seqlen_q=1024,
+                              seqlen_k=1024)
+    assert default_fwd(big).variant == HOPPER
+    assert default_bwd(big).variant == BWD_HOPPER
