@@ -9,8 +9,8 @@ version's wheel unpacked first on PYTHONPATH); the feasibility rule in
 flashtune/kernels/config.py comes from these records. It never times anything.
 
 ``--bwd`` builds the backward instead, once per variant (``BwdConfig.variant``; atomic dQ
-with pointer atomics and with the descriptor reduce-add), dense and packed, and records how
-each dK/dV kernel adds dQ in its PTX (``cp.reduce.async.bulk.tensor`` is the TMA
+with pointer atomics and with the descriptor reduce-add), dense and packed, and records
+which atomic adds its kernels' PTX holds (``cp.reduce.async.bulk.tensor`` is the TMA
 reduce-add, ``red.global`` the pointer atomics).
 
     python benchmarks/probe_ptxas.py --out ptxas.jsonl --workers 2
@@ -139,7 +139,7 @@ def build_bwd(variant: int, tma: int, packed: bool, d: int = 64) -> dict[str, An
     except Exception as e:  # noqa: BLE001 - the record is the point
         rec["result"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
     rec["kernels"] = sorted(BUILT_PTX)
-    ptx = BUILT_PTX.get("_attn_bwd_dkdv_kernel", "")
+    ptx = "\n".join(BUILT_PTX.values())
     rec["dq_adds"] = [op for op, pat in DQ_ADDS.items() if re.search(pat, ptx, re.M)]
     return rec
 
