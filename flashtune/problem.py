@@ -238,6 +238,8 @@ class Problem:
         d["window"] = list(self.window)
         if not self.packed:  # a dense problem's dict is what it was before packed batches
             del d["total_q"], d["total_k"]
+        if self.deterministic:  # ... and a deterministic one's, before the keyword
+            del d["deterministic"]
         return d
 
     @classmethod

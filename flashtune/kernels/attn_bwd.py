@@ -148,8 +148,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Dh, DQA, dq_desc, dq_row0, stride_q
 
 
 @triton.jit
-def _dkdv_program(
-    pid_n, off_b, off_hk,
+def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQA, dq_desc, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -157,16 +156,21 @@ def _dkdv_program(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    heads_kv, seq_q, seq_k, left, right,
+    heads_kv, seq_q, seq_k, left, right, tiles_k,
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
-    # One key tile of one K/V head: dK and dV (and, with DQ_ATOMIC, dQ contributions).
+    # Grid: (tiles_k key tiles x heads_kv, batch); one program holds one key tile of one K/V
+    # head: dK and dV (and, with DQ_ATOMIC, dQ contributions). Program ids past
+    # tiles_k * heads_kv belong to the dQ kernel (one launch, see below).
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs every dimension >= 16
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid_n = tl.program_id(0) % tiles_k
+    off_hk = (tl.program_id(0) // tiles_k).to(tl.int64)
+    off_b = tl.program_id(1).to(tl.int64)
     rows_q = seq_q
     q_start, k_start, seq_q, seq_k = _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN)
     # A packed batch's grid fits its longest sequence: tiles past this one's end do nothing.
@@ -227,35 +231,6 @@ def _dkdv_program(
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQA, dq_desc, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    heads_kv, seq_q, seq_k, left, right,
-    sm_scale, qk_scale, cap_scale, cap_log2,
-    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
-):
-    pid_bh = tl.program_id(1)
-    _dkdv_program(
-        tl.program_id(0), (pid_bh // heads_kv).to(tl.int64), (pid_bh % heads_kv).to(tl.int64),
-        Q, K, V, DO, LSE, Delta, DK, DV, DQA, dq_desc, CU_Q, CU_K,
-        stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom,
-        stride_dod, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-        heads_kv, seq_q, seq_k, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-        GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN,
-        DQ_ATOMIC, DQ_TMA)
-
-
-@triton.jit
 def _dq_inner(dq, q, do, lse2, delta, Kh, Vh, stride_kn, stride_vn, offs_m, offs_d,
               start_n, end_n, seq_q, seq_k, offset, left, right,
               qk_scale, cap_scale, cap_log2,
@@ -288,24 +263,28 @@ def _dq_inner(dq, q, do, lse2, delta, Kh, Vh, stride_kn, stride_vn, offs_m, offs
 
 
 @triton.jit
-def _dq_program(
-    pid_m, off_b, off_h,
+def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    heads_q, seq_q, seq_k, left, right,
+    heads_q, seq_q, seq_k, left, right, tiles_q, first_pid,
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    # One query tile of one query head: dQ, recomputing P and dP over the visible keys.
+    # Grid: (first_pid + tiles_q query tiles x heads_q, batch); one program holds one query
+    # tile of one query head: dQ, recomputing P and dP over the visible keys.
     tl.static_assert(BLOCK_N >= 16)  # tl.dot needs every dimension >= 16
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid = tl.program_id(0) - first_pid
+    pid_m = pid % tiles_q
+    off_h = (pid // tiles_q).to(tl.int64)
+    off_b = tl.program_id(1).to(tl.int64)
     off_hk = off_h // GQA
     rows_q = seq_q
     q_start, k_start, seq_q, seq_k = _seq_bounds(CU_Q, CU_K, off_b, seq_q, seq_k, IS_VARLEN)
@@ -357,32 +336,6 @@ def _dq_program(
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    heads_q, seq_q, seq_k, left, right,
-    sm_scale, qk_scale, cap_scale, cap_log2,
-    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    pid_bh = tl.program_id(1)
-    _dq_program(
-        tl.program_id(0), (pid_bh // heads_q).to(tl.int64), (pid_bh % heads_q).to(tl.int64),
-        Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
-        stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom,
-        stride_dod, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-        heads_q, seq_q, seq_k, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-        GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)
-
-
-@triton.jit
 def _attn_bwd_one_launch_kernel(
     Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -403,31 +356,28 @@ def _attn_bwd_one_launch_kernel(
     # Grid: (tiles_k * heads_kv dK/dV programs, then tiles_q * heads_q dQ programs; batch).
     # The dK/dV programs, the longer ones, come first so they start first. Each program
     # writes only its own tiles: deterministic, as the two-kernel backward.
-    pid = tl.program_id(0)
-    off_b = tl.program_id(1).to(tl.int64)
     n_dkdv = tiles_k * heads_kv
-    if pid < n_dkdv:
-        _dkdv_program(
-            pid % tiles_k, off_b, (pid // tiles_k).to(tl.int64),
+    if tl.program_id(0) < n_dkdv:
+        _attn_bwd_dkdv_kernel(
             Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ, CU_Q, CU_K,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
             stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh,
             stride_dom, stride_dod, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
             stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-            heads_kv, seq_q, seq_k, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
+            heads_kv, seq_q, seq_k, left, right, tiles_k,
+            sm_scale, qk_scale, cap_scale, cap_log2,
             GQA, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, MASK_LEFT, MASK_RIGHT, SOFTCAP,
             IS_VARLEN, False, False)
     else:
-        pid = pid - n_dkdv
-        _dq_program(
-            pid % tiles_q, off_b, (pid // tiles_q).to(tl.int64),
+        _attn_bwd_dq_kernel(
             Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
             stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh,
             stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-            heads_kv * GQA, seq_q, seq_k, left, right, sm_scale, qk_scale, cap_scale,
-            cap_log2, GQA, HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, MASK_LEFT, MASK_RIGHT,
-            SOFTCAP, IS_VARLEN)
+            heads_kv * GQA, seq_q, seq_k, left, right, tiles_q, n_dkdv,
+            sm_scale, qk_scale, cap_scale, cap_log2,
+            GQA, HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+            IS_VARLEN)
 
 
 @triton.jit
@@ -537,18 +487,20 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         )
 
     def dkdv() -> None:
-        _attn_bwd_dkdv_kernel[(triton.cdiv(tiles_k, c.dkdv_block_n), b * hk)](
+        n_k = triton.cdiv(tiles_k, c.dkdv_block_n)
+        _attn_bwd_dkdv_kernel[(n_k * hk, b)](
             q, k, v, do, lse, delta, dk, dv, dqa, dq_desc, *cu, *st(q, k, v, do, dk, dv),
-            hk, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
+            hk, sq, sk, left, right, n_k, sm_scale, qk_scale, cap_scale, cap_log2,
             BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, DQ_ATOMIC=atomic,
             DQ_TMA=bool(atomic and c.dkdv_atomic_tma), **common,
             **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
         )
 
     def dq_() -> None:
-        _attn_bwd_dq_kernel[(triton.cdiv(tiles_q, c.dq_block_m), b * hq)](
+        n_q = triton.cdiv(tiles_q, c.dq_block_m)
+        _attn_bwd_dq_kernel[(n_q * hq, b)](
             q, k, v, do, lse, delta, dq, *cu, *st(q, k, v, do, dq),
-            hq, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
+            hq, sq, sk, left, right, n_q, 0, sm_scale, qk_scale, cap_scale, cap_log2,
             BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
             **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
         )

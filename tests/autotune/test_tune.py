@@ -17,7 +17,8 @@ from flashtune.autotune import SearchSpace, TuneResult, tune
 from flashtune.autotune._faults import ENV, fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
-from flashtune.kernels.config import config_from_dict, config_to_dict
+from flashtune.kernels.attn_bwd import ONE_LAUNCH_PART
+from flashtune.kernels.config import BWD_ONE_LAUNCH, config_from_dict, config_to_dict
 from flashtune.kernels.reference import compare
 from flashtune.problem import Problem
 
@@ -56,7 +57,10 @@ def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> Non
     # Backward trials carry each launch's time (what the recombination step reads).
     study = optuna.load_study(study_name=res["bwd"].study_name, storage=f"sqlite:///{db}")
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert done and all(set(t.user_attrs["parts_ms"]) == {"pre", "dkdv", "dq"} for t in done)
+    launches = {BWD_ONE_LAUNCH: {"pre", ONE_LAUNCH_PART}}  # else pre, dkdv, dq
+    assert done and all(set(t.user_attrs["parts_ms"])
+                        == launches.get(t.params["variant"], {"pre", "dkdv", "dq"})
+                        for t in done)
     assert {e["event"] for e in events} >= {"trial", "done"}
 
 
@@ -167,10 +171,12 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     sources = [t.user_attrs.get("seed_source") for t in measured]
     assert set(sources[-2:]) <= {"polish", "compose"}
     polish = [t for t in measured if t.user_attrs.get("seed_source") == "polish"]
+    full = space.complete  # a trial's params hold only the knobs its variant uses
     for t in polish:
         earlier = [e for e in measured if e.number < t.number]
         assert all(e.params != t.params for e in earlier)
-        assert any(all(space.part_setting(part, e.params) != space.part_setting(part, t.params)
+        assert any(all(space.part_setting(part, full(e.params))
+                       != space.part_setting(part, full(t.params))
                        for e in earlier) for part in space.parts)
     # A trial that beat the incumbent was timed twice more and kept the median of three.
     confirmed = [t for t in measured if "confirm_ms" in t.user_attrs]
@@ -181,6 +187,6 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     # A recombined candidate, when one was made, is the best parts of earlier trials.
     for t in measured:
         if t.user_attrs.get("seed_source") == "compose":
-            earlier = [(e.params, e.user_attrs["parts_ms"]) for e in measured
+            earlier = [(full(e.params), e.user_attrs["parts_ms"]) for e in measured
                        if e.number < t.number and "parts_ms" in e.user_attrs]
-            assert t.params in [c for _, c in space.compose(earlier)]
+            assert full(t.params) in [c for _, c in space.compose(earlier)]

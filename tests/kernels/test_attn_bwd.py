@@ -176,3 +176,30 @@ def test_backward_bit_identical_gpu_large(variant: int, seed: int) -> None:
     b = _grads(p, "cuda", cfg, seed)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_backward_variants_build_for_sm90_without_a_gpu() -> None:
+    """The atomic variant's two dQ paths and the one-launch kernel compile for Hopper
+    (Triton's own ptxas, no GPU: benchmarks/probe_ptxas.py --bwd), and the dK/dV kernel adds
+    dQ the way its knob says: TMA reduce-add, or pointer atomics."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[2]
+    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import probe_ptxas as p; "
+              "p._install_compile_only(); "
+              "print(json.dumps([p.build_bwd(1, 1, False), p.build_bwd(2, 0, False)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, text=True,
+                         capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tma, one = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tma["result"] == "ok" and one["result"] == "ok", (tma, one)
+    assert tma["dq_adds"] == ["cp.reduce.async.bulk.tensor"]
+    assert "_attn_bwd_dq_finish" in tma["kernels"] and "_attn_bwd_dq_kernel" not in tma["kernels"]
+    assert one["kernels"] == ["_attn_bwd_one_launch_kernel", "_attn_bwd_preprocess"]
+    assert one["dq_adds"] == []
