@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtune.kernels._bound import BoundLaunch
 from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.attn_fwd import (
     Packed,
@@ -283,6 +284,77 @@ BwdStep = tuple[str, Callable[[], Any]]
 BWD_PARTS = ("pre", "dkdv", "dq")
 
 
+class BwdLaunch:
+    """The backward for one call signature (shapes and strides of q, k, v, o and dO, dtype,
+    device, flags, config), prepared once: grids, scalars, constexprs and the three bound
+    kernels. Built from tensors whose data are 16-byte aligned, it serves every call of that
+    signature whose data are too. ``packed``: a varlen batch, as for
+    :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
+
+    def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, *, causal: bool, sm_scale: float, window: tuple[int, int],
+                 softcap: float, config: BwdConfig, packed: Packed | None = None) -> None:
+        b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+        c = config
+        block_d = padded_head_dim(d)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
+        left, right, mask_left, mask_right = mask_params(causal, window)
+        qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
+        common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
+                      MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+                      IS_VARLEN=packed is not None)
+        # Tiles per sequence: the longest sequence's when packed.
+        tiles_q, tiles_k = (sq, sk) if packed is None \
+            else (max(packed.max_q, 1), max(packed.max_k, 1))
+
+        def st(*ts: torch.Tensor) -> list[int]:
+            return [s for t in ts for s in kernel_strides(t, packed)]
+
+        # delta has the LSE's rows: a packed batch is one "batch entry" of total_q rows.
+        # Leading None slots (the tensors) change from call to call; the rest is fixed.
+        self.pre = BoundLaunch(
+            _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m), hq * (b if packed is None
+                                                                         else 1)),
+            [None] * 3 + [*st(o, do), hq, sq],
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m), range(3))
+        self.dkdv = BoundLaunch(
+            _attn_bwd_dkdv_kernel, (triton.cdiv(tiles_k, c.dkdv_block_n), b * hk),
+            [None] * 10 + [*st(q, k, v, do, dk, dv), hk, sq, sk, left, right, sm_scale,
+                           qk_scale, cap_scale, cap_log2],
+            dict(BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
+                 **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)), range(10))
+        self.dq = BoundLaunch(
+            _attn_bwd_dq_kernel, (triton.cdiv(tiles_q, c.dq_block_m), b * hq),
+            [None] * 9 + [*st(q, k, v, do, dq), hq, sq, sk, left, right, sm_scale, qk_scale,
+                          cap_scale, cap_log2],
+            dict(BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
+                 **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)), range(9))
+
+    def steps(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
+              cu_k: torch.Tensor | None = None,
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
+        """The (dq, dk, dv) buffers and the three launches that fill them, in order."""
+        delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+        lse = lse.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        cu = (q, q) if cu_q is None else (cu_q, cu_k)
+        return (dq, dk, dv), [
+            ("pre", lambda: self.pre(o, do, delta)),
+            ("dkdv", lambda: self.dkdv(q, k, v, do, lse, delta, dk, dv, *cu)),
+            ("dq", lambda: self.dq(q, k, v, do, lse, delta, dq, *cu)),
+        ]
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
+                 cu_k: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grads, steps = self.steps(do, q, k, v, o, lse, cu_q, cu_k)
+        for _, launch in steps:
+            launch()
+        return grads
+
+
 def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
               window: tuple[int, int], softcap: float, config: BwdConfig,
@@ -293,49 +365,11 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     fields of its own part (``BwdConfig`` field metadata), so the tuner can time the
     parts separately and recombine the best of each. ``packed``: a varlen batch, as for
     :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
-    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
-    c = config
-    block_d = padded_head_dim(d)
-    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
-    lse = lse.contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    left, right, mask_left, mask_right = mask_params(causal, window)
-    qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
-    common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
-                  MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, IS_VARLEN=packed is not None)
-    cu = (q, q) if packed is None else (packed.cu_q, packed.cu_k)
-    # Tiles per sequence: the longest sequence's when packed.
-    tiles_q, tiles_k = (sq, sk) if packed is None else (max(packed.max_q, 1), max(packed.max_k, 1))
-
-    def st(*ts: torch.Tensor) -> list[int]:
-        return [s for t in ts for s in kernel_strides(t, packed)]
-
-    def pre() -> None:
-        # delta has the LSE's rows: a packed batch is one "batch entry" of total_q rows.
-        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), hq * (b if packed is None else 1))](
-            o, do, delta, *st(o, do), hq, sq,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m,
-        )
-
-    def dkdv() -> None:
-        _attn_bwd_dkdv_kernel[(triton.cdiv(tiles_k, c.dkdv_block_n), b * hk)](
-            q, k, v, do, lse, delta, dk, dv, *cu, *st(q, k, v, do, dk, dv),
-            hk, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-            BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
-            **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
-        )
-
-    def dq_() -> None:
-        _attn_bwd_dq_kernel[(triton.cdiv(tiles_q, c.dq_block_m), b * hq)](
-            q, k, v, do, lse, delta, dq, *cu, *st(q, k, v, do, dq),
-            hq, sq, sk, left, right, sm_scale, qk_scale, cap_scale, cap_log2,
-            BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
-            **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
-        )
-
-    return (dq, dk, dv), [("pre", pre), ("dkdv", dkdv), ("dq", dq_)]
+    launch = BwdLaunch(do, q, k, v, o, causal=causal, sm_scale=sm_scale, window=window,
+                       softcap=softcap, config=config, packed=packed)
+    if packed is None:
+        return launch.steps(do, q, k, v, o, lse)
+    return launch.steps(do, q, k, v, o, lse, packed.cu_q, packed.cu_k)
 
 
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
