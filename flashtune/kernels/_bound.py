@@ -75,31 +75,34 @@ def _hooked(rt: Any) -> bool:
 
 
 class BoundLaunch:
-    """One launch of ``kernel`` with everything but the pointer arguments fixed.
+    """One launch of ``kernel`` with everything but its leading pointer arguments fixed.
 
-    ``args`` are the kernel's positional arguments, with placeholders (any value) at the
-    indices ``slots``; ``kwargs`` its constexprs and launch options. Calling it with one
-    value per slot (tensors, or host tensor descriptors) launches on the current stream.
+    ``args`` are the kernel's positional arguments, the first ``n_dynamic`` of them
+    placeholders (any value); ``kwargs`` its constexprs and launch options. Calling it with
+    one value per placeholder (tensors, or host tensor descriptors) launches on the current
+    stream. A launch made from 16-byte aligned tensors must be called with aligned ones
+    (:func:`aligned`): the compiled kernel it binds assumes so, as Triton's would.
     """
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "tensor_slots", "full",
+    __slots__ = ("kernel", "grid", "args", "kwargs", "n_dynamic", "is_tensor", "tail",
                  "bound", "rt")
 
     def __init__(self, kernel: Any, grid: Sequence[int], args: Sequence[Any],
-                 kwargs: dict[str, Any], slots: Sequence[int]) -> None:
+                 kwargs: dict[str, Any], n_dynamic: int) -> None:
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.args = list(args)
         self.kwargs = kwargs
-        self.slots = tuple(slots)
-        self.tensor_slots: tuple[bool, ...] = ()
+        self.n_dynamic = n_dynamic
+        self.is_tensor: tuple[bool, ...] = ()
         self.bound: dict[int, tuple[Any, Any, Any]] = {}
         self.rt = None if interpreting() else _runtime_knobs()
-        self.full = self._full_args() if self.rt is not None else None
+        self.tail = self._tail() if self.rt is not None else None
 
-    def _full_args(self) -> list[Any] | None:
-        """Every parameter's value in declaration order, constexprs included: what
-        ``JITFunction.run`` passes the launcher. None if the parameters cannot be listed."""
+    def _tail(self) -> tuple[Any, ...] | None:
+        """The values of every parameter after the placeholders, in declaration order,
+        constexprs included: with the pointers, what ``JITFunction.run`` passes the
+        launcher. None if the parameters cannot be listed."""
         names = getattr(self.kernel, "arg_names", None)
         n = len(self.args)
         if not isinstance(names, list) or len(names) < n:
@@ -107,43 +110,34 @@ class BoundLaunch:
         rest = names[n:]
         if set(rest) - set(self.kwargs):
             return None
-        return self.args + [self.kwargs[name] for name in rest]
+        return tuple(self.args[self.n_dynamic:]) + tuple(self.kwargs[name] for name in rest)
 
     def __call__(self, *values: Any) -> None:
-        full = self.full
-        if full is not None and self.bound and not _hooked(self.rt):
+        if self.bound and not _hooked(self.rt):
             device = _Driver.device()
             bound = self.bound.get(device)
-            if bound is not None and self._aligned(values):
-                args = full.copy()
-                for i, x, is_tensor in zip(self.slots, values, self.tensor_slots, strict=True):
-                    args[i] = x.data_ptr() if is_tensor else x
+            if bound is not None:
+                ptrs = [x.data_ptr() if t else x
+                        for x, t in zip(values, self.is_tensor, strict=True)]
                 run, function, metadata = bound
                 counts["bound"] += 1
                 run(*self.grid, _Driver.stream(device), function, metadata, None, None, None,
-                    *args)
+                    *ptrs, *self.tail)  # type: ignore[misc]
                 return
         self._jit(values)
 
-    def _aligned(self, values: Sequence[Any]) -> bool:
-        for x, is_tensor in zip(values, self.tensor_slots, strict=True):
-            if is_tensor and x.data_ptr() % ALIGN:
-                return False
-        return True
-
     def _jit(self, values: Sequence[Any]) -> None:
-        args = self.args.copy()
-        for i, x in zip(self.slots, values, strict=True):
-            args[i] = x
+        args = list(values) + self.args[self.n_dynamic:]
         counts["jit"] += 1
         compiled = self.kernel[self.grid](*args, **self.kwargs)
-        if self.full is None:
+        if self.tail is None:
             return
-        self.tensor_slots = tuple(isinstance(x, torch.Tensor) for x in values)
+        self.is_tensor = tuple(isinstance(x, torch.Tensor) for x in values)
         run = getattr(compiled, "run", None)
         function = getattr(compiled, "function", None)
         metadata = getattr(compiled, "packed_metadata", None)
-        if run is None or function is None or metadata is None or not self._aligned(values):
+        tensors = [x for x in values if isinstance(x, torch.Tensor)]
+        if run is None or function is None or metadata is None or not aligned(*tensors):
             return
         if _Driver.device is None:
             _Driver.load()
@@ -155,6 +149,13 @@ def aligned(*ts: torch.Tensor) -> bool:
     """True when every tensor's data is 16-byte aligned: the pointer class a prepared launch
     (``FwdLaunch``, ``BwdLaunch``, ``HopperLaunch``) serves."""
     return not any(t.data_ptr() % ALIGN for t in ts)
+
+
+def template(descriptor: Any) -> Any:
+    """A host tensor descriptor made a template for :func:`descriptor_like`: it keeps its
+    shape, strides, block and layout, and lets its tensor go."""
+    descriptor.base = None
+    return descriptor
 
 
 def descriptor_like(template: Any, t: torch.Tensor) -> Any:

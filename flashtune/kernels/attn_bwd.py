@@ -294,6 +294,7 @@ class BwdLaunch:
     def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, *, causal: bool, sm_scale: float, window: tuple[int, int],
                  softcap: float, config: BwdConfig, packed: Packed | None = None) -> None:
+        self.config = config
         b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
         c = config
         block_d = padded_head_dim(d)
@@ -316,19 +317,19 @@ class BwdLaunch:
             _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m), hq * (b if packed is None
                                                                          else 1)),
             [None] * 3 + [*st(o, do), hq, sq],
-            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m), range(3))
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m), 3)
         self.dkdv = BoundLaunch(
             _attn_bwd_dkdv_kernel, (triton.cdiv(tiles_k, c.dkdv_block_n), b * hk),
             [None] * 10 + [*st(q, k, v, do, dk, dv), hk, sq, sk, left, right, sm_scale,
                            qk_scale, cap_scale, cap_log2],
             dict(BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, **common,
-                 **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)), range(10))
+                 **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)), 10)
         self.dq = BoundLaunch(
             _attn_bwd_dq_kernel, (triton.cdiv(tiles_q, c.dq_block_m), b * hq),
             [None] * 9 + [*st(q, k, v, do, dq), hq, sq, sk, left, right, sm_scale, qk_scale,
                           cap_scale, cap_log2],
             dict(BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
-                 **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)), range(9))
+                 **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)), 9)
 
     def steps(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,

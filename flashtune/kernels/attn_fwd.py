@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtune.kernels._bound import BoundLaunch, descriptor_like
+from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.config import HOPPER, FwdConfig, padded_head_dim
 
@@ -266,6 +266,7 @@ class FwdLaunch:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  sm_scale: float, window: tuple[int, int], softcap: float, config: FwdConfig,
                  packed: Packed | None = None) -> None:
+        self.config = config  # the config that runs (the portable fallback's, if it came to that)
         self.hopper: Any = None
         self.descriptors: tuple[Any, Any] | None = None
         if config.variant == HOPPER:
@@ -281,7 +282,7 @@ class FwdLaunch:
                     return
             # What the Hopper kernel cannot take, the portable kernel's default serves.
             _warn_portable_once(reason)
-            config = _portable_fallback(q, k, causal, window, softcap, packed)
+            config = self.config = _portable_fallback(q, k, causal, window, softcap, packed)
         b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
         self.lse_shape = (b, hq, sq) if packed is None else (hq, sq)
         o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
@@ -290,7 +291,8 @@ class FwdLaunch:
         c = config
         use_tma = bool(c.use_tma) and packed is None and tma_ok(k, v)
         if use_tma:
-            self.descriptors = kv_descriptors(k, v, c.block_n)
+            kd, vd = kv_descriptors(k, v, c.block_n)
+            self.descriptors = (template(kd), template(vd))
         grid = (triton.cdiv(max(sq if packed is None else packed.max_q, 1), c.block_m), b * hq)
         # Slots 0-8 (q, k, v, o, lse, K/V or their descriptors, the prefix sums) change
         # from call to call; the rest is fixed.
@@ -305,7 +307,7 @@ class FwdLaunch:
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, USE_TMA=use_tma,
             IS_VARLEN=packed is not None,
             **launch_options(c.num_warps, c.num_stages, c.maxnreg))
-        self.launch = BoundLaunch(_attn_fwd_kernel, grid, args, kwargs, range(9))
+        self.launch = BoundLaunch(_attn_fwd_kernel, grid, args, kwargs, 9)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,

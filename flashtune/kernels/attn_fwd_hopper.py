@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtune.kernels._bound import BoundLaunch, descriptor_like
+from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range
 from flashtune.kernels._masking import _tanh as _portable_tanh
 from flashtune.kernels.config import FwdConfig
@@ -390,8 +390,8 @@ class HopperLaunch:
         n_m = -(-sq // c.block_m)
         n_tiles = n_m * b * hq
         grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
-        self.templates = (_descriptor(q, ROWS_PER_WG), _descriptor(k, c.block_n),
-                          _descriptor(v, c.block_n))
+        self.templates = (template(_descriptor(q, ROWS_PER_WG)),
+                          template(_descriptor(k, c.block_n)), template(_descriptor(v, c.block_n)))
         # Slots 0-4 (the q, k, v descriptors, o, lse) change from call to call.
         args = [None] * 5 + [o.stride(0), o.stride(1), o.stride(2),
                              hq, sq, sk, left, right, n_m, n_tiles,
@@ -401,7 +401,7 @@ class HopperLaunch:
             ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
             MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
             num_warps=4)
-        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, range(5))
+        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 5)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
