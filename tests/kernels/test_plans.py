@@ -175,3 +175,70 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
     else:  # the first binds, the second runs through the compiled kernel
         assert _bound.counts["bind"] == before["bind"] + 1
         assert _bound.counts["bound"] == before["bound"] + 1
+
+
+def _gpu_inputs(seed: int, s: int = 257, d: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+            for shape in ((2, 4, s, d), (2, 2, s, d), (2, 2, s, d), (2, 4, s, d))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bound_launches_give_the_bits_of_jit_launches(causal: bool, seed: int) -> None:
+    """Second and later calls go through the bound compiled kernels (forward: the Hopper
+    kernel where it runs, else the portable one; the three backward kernels) and give
+    exactly what kernel[grid] launches give, on a side stream too."""
+    from flashtune.kernels.attn_bwd import attn_bwd
+    from flashtune.kernels.attn_fwd import attn_fwd
+
+    q, k, v, do = _gpu_inputs(seed)
+    p = Problem.from_tensors(q, k, causal=causal)
+    fcfg, bcfg = default_fwd(p), default_bwd(p)
+    scale = D ** -0.5
+    want_o, want_lse = attn_fwd(q, k, v, causal=causal, sm_scale=scale, window=(-1, -1),
+                                softcap=0.0, config=fcfg)
+    want = attn_bwd(do, q, k, v, want_o, want_lse, causal=causal, sm_scale=scale,
+                    window=(-1, -1), softcap=0.0, config=bcfg)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for i in range(3):
+        before = dict(_bound.counts)
+        stream = torch.cuda.Stream() if i == 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for t in (qg, kg, vg):
+                t.grad = None
+            o, lse = flash_attention(qg, kg, vg, causal=causal, softmax_scale=scale,
+                                     return_lse=True, config=(fcfg, bcfg))
+            o.backward(do)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+        for got, ref in zip((qg.grad, kg.grad, vg.grad), want, strict=True):
+            assert torch.equal(got, ref)
+        if i:  # 1 forward + 3 backward launches, all bound
+            assert _bound.counts["bound"] - before["bound"] == 4, _bound.counts
+            assert _bound.counts["jit"] == before["jit"]
+
+
+@pytest.mark.gpu
+def test_a_launch_hook_gets_every_launch(seed: int) -> None:
+    """With a launch hook installed (a profiler), launches go through kernel[grid], which
+    calls it; without, they are bound again."""
+    from triton import knobs
+
+    q, k, v, _ = _gpu_inputs(seed, s=128)
+    flash_attention(q, k, v)
+    flash_attention(q, k, v)
+    seen: list[object] = []
+    hook = seen.append
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        before = dict(_bound.counts)
+        out = flash_attention(q, k, v)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1 and _bound.counts["jit"] == before["jit"] + 1
+    before = dict(_bound.counts)
+    assert torch.equal(flash_attention(q, k, v), out)
+    assert _bound.counts["bound"] == before["bound"] + 1
