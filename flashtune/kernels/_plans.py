@@ -34,7 +34,7 @@ import torch
 from flashtune.kernels._bound import aligned
 from flashtune.kernels.attn_bwd import BwdLaunch
 from flashtune.kernels.attn_fwd import FwdLaunch, Packed
-from flashtune.kernels.config import BwdConfig, FwdConfig, default_config, default_fwd
+from flashtune.kernels.config import BwdConfig, FwdConfig, default_config
 from flashtune.problem import Problem
 
 Config = FwdConfig | BwdConfig
@@ -46,7 +46,7 @@ MAX_PLANS = 4096  # per cache; past it the cache starts over (shapes that never 
 def heuristic_resolver(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
                        window: tuple[int, int], softcap: float) -> Config:
     p = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
-    return default_fwd(p) if direction == "fwd" else default_config("bwd", p)
+    return default_config(direction, p)
 
 
 def heuristic_problem_resolver(direction: str, problem: Problem,
