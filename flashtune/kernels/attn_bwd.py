@@ -336,10 +336,7 @@ class BwdLaunch:
               cu_k: torch.Tensor | None = None,
               ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
         """The (dq, dk, dv) buffers and the three launches that fill them, in order."""
-        delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
-        lse = lse.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        cu = (q, q) if cu_q is None else (cu_q, cu_k)
+        lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
         return (dq, dk, dv), [
             ("pre", lambda: self.pre(o, do, delta)),
             ("dkdv", lambda: self.dkdv(q, k, v, do, lse, delta, dk, dv, *cu)),
@@ -350,10 +347,20 @@ class BwdLaunch:
                  o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
                  cu_k: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        grads, steps = self.steps(do, q, k, v, o, lse, cu_q, cu_k)
-        for _, launch in steps:
-            launch()
-        return grads
+        """Launch the three parts (as :meth:`steps`, without the closures); (dq, dk, dv)."""
+        lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
+        self.pre(o, do, delta)
+        self.dkdv(q, k, v, do, lse, delta, dk, dv, *cu)
+        self.dq(q, k, v, do, lse, delta, dq, *cu)
+        return dq, dk, dv
+
+    @staticmethod
+    def _buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                 cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> tuple[Any, ...]:
+        """(lse contiguous, delta, dq, dk, dv, the prefix sums or q twice)."""
+        delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+        return (lse.contiguous(), delta, torch.empty_like(q), torch.empty_like(k),
+                torch.empty_like(v), (q, q) if cu_q is None else (cu_q, cu_k))
 
 
 def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -378,9 +385,11 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              window: tuple[int, int], softcap: float, config: BwdConfig,
              packed: Packed | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) in the inputs' layouts."""
-    grads, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
-                             window=window, softcap=softcap, config=config, packed=packed)
-    for _, launch in steps:
-        launch()
-    return grads
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) in the inputs' layouts.
+    Prepares the launches for this one call: the hot path keeps a :class:`BwdLaunch` per
+    call signature instead (``flashtune.kernels._plans``)."""
+    launch = BwdLaunch(do, q, k, v, o, causal=causal, sm_scale=sm_scale, window=window,
+                       softcap=softcap, config=config, packed=packed)
+    if packed is None:
+        return launch(do, q, k, v, o, lse)
+    return launch(do, q, k, v, o, lse, packed.cu_q, packed.cu_k)
