@@ -15,7 +15,7 @@ from flashtune.kernels import _bound, _plans, attention, varlen
 from flashtune.kernels.attention import call_plan, flash_attention
 from flashtune.kernels.attn_bwd import BwdLaunch
 from flashtune.kernels.attn_fwd import FwdLaunch
-from flashtune.kernels.config import FwdConfig, default_bwd, default_fwd
+from flashtune.kernels.config import HOPPER, FwdConfig, default_bwd, default_fwd
 from flashtune.kernels.reference import attention_ref
 from flashtune.problem import Problem
 
@@ -157,7 +157,18 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
     o = torch.empty_like(q)
     bwd = BwdLaunch(o, q, k, v, o, causal=True, sm_scale=0.25, window=(-1, -1), softcap=0.0,
                     config=default_bwd(p))
-    for launch in (fwd.launch, bwd.pre, bwd.dkdv, bwd.dq):
+    launches = [fwd.launch, bwd.pre, bwd.dkdv, bwd.dq]
+    try:  # the Gluon kernel, where this Triton has Gluon's Hopper API
+        from flashtune.kernels.attn_fwd_hopper import HopperLaunch
+    except ImportError:
+        pass
+    else:
+        h = FwdConfig(variant=HOPPER, block_m=128, block_n=64, num_stages=2)
+        qh, kh = (torch.randn(1, n, 128, 64, dtype=torch.bfloat16, device=device)
+                  for n in (2, 1))
+        launches.append(HopperLaunch(qh, kh, kh, mask=(0, 0, False, False),
+                                     scales=(0.125, 0.0, 0.0), softcap=0.0, config=h).launch)
+    for launch in launches:
         tail = launch._tail()
         names = launch.kernel.arg_names
         assert tail is not None and launch.n_dynamic + len(tail) == len(names)
