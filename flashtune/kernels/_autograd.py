@@ -65,7 +65,8 @@ def register(fwd_op: Any, bwd_op: Any) -> None:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         n = sum(isinstance(x, torch.Tensor) for x in inputs)
         args = inputs[n:-2] + inputs[-1:]
-        save(ctx, inputs[:n], *output, bwd_op, args)
+        o, lse = output
+        save(ctx, inputs[:n], o, lse, bwd_op, args)
         ctx.n_inputs = len(inputs)
 
     def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
