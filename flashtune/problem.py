@@ -250,7 +250,8 @@ class Problem:
 
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool = False,
-                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Problem:
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     deterministic: bool = True) -> Problem:
         from flashtune._env import dtype_name
 
         dt = dtype_name(q.dtype)
@@ -258,4 +259,4 @@ class Problem:
         return cls(batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
                    head_dim=d, dtype=dt, causal=bool(causal),
                    window=(int(window_size[0]), int(window_size[1])),
-                   softcap=float(softcap))
+                   softcap=float(softcap), deterministic=bool(deterministic))

@@ -47,7 +47,7 @@ from flashtune.db.models import (
     ResultRow,
     Software,
 )
-from flashtune.db.storage import PREFER, Result, Storage
+from flashtune.db.storage import PREFER, Result, Storage, written
 from flashtune.db.validation import check_result, sort_key
 from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
 from flashtune.problem import Problem, ProblemKey
@@ -394,7 +394,9 @@ class RDBStorage(Storage):
             raise ValueError(f"prefer must be one of {PREFER}, got {prefer!r}")
         checked = [check_result(r) for r in results]
         with self._session(write=True) as s:
-            return [self._put(s, r, prefer) for r in checked]
+            outcomes = [self._put(s, r, prefer) for r in checked]
+        written(self.url, [r for r, o in zip(checked, outcomes, strict=True) if o != "kept"])
+        return outcomes
 
     def record_misses(self, device: DeviceInfo, software: SoftwareInfo,
                       misses: dict[ProblemKey, tuple[int, Problem]]) -> None:

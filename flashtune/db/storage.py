@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -18,6 +18,29 @@ from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 from flashtune.problem import Problem, ProblemKey
 
 PREFER = ("faster", "ours", "theirs")
+WriteListener = Callable[[str, "list[Result]"], None]
+_write_listeners: list[WriteListener] = []
+
+
+def on_write(listener: WriteListener) -> None:
+    """Call ``listener(url, results)`` after results were written to the database at ``url``
+    by this process (the dispatcher serves them from then on). Once per listener."""
+    if listener not in _write_listeners:
+        _write_listeners.append(listener)
+
+
+def written(url: str, results: list[Result]) -> None:
+    """Tell the listeners (:func:`on_write`) what a committed write stored. A listener
+    that fails is logged, never the writer's failure."""
+    if not results:
+        return
+    for listener in list(_write_listeners):
+        try:
+            listener(url, results)
+        except Exception:  # the write is done; a stale cache must not turn it into an error
+            import logging
+
+            logging.getLogger("flashtune.db").exception("write listener %r failed", listener)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,9 @@ def register(name: str = NAME) -> None:
     if "flash" in name:
         raise ValueError(f"name {name!r} contains 'flash': transformers would try to import a "
                          "flash-attn package for it when a model is built; choose another name")
-    import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
+    import flashtune.dispatch
+
+    flashtune.dispatch.install()  # the tuned configs
 
     try:
         from transformers import AttentionInterface

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels._bound import BoundLaunch
+from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.attn_fwd import (
     Packed,
@@ -51,36 +53,6 @@ from flashtune.kernels.config import (
     default_bwd,
     padded_head_dim,
 )
-
-
-@triton.jit
-def _attn_bwd_preprocess(
-    O, DO, Delta, DQA,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    heads_q, seq_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    ZERO_DQ: tl.constexpr,
-):
-    # delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d], in fp32. With ZERO_DQ, also
-    # zero the same rows of the fp32 dQ accumulator (laid out as delta, BLOCK_D wide).
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = (pid_bh // heads_q).to(tl.int64)
-    off_h = (pid_bh % heads_q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    rows = pid_bh.to(tl.int64) * seq_q + offs_m
-    tl.store(Delta + rows, delta, mask=offs_m < seq_q)
-    if ZERO_DQ:
-        tl.store(DQA + rows[:, None] * BLOCK_D + offs_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=offs_m[:, None] < seq_q)
 
 
 @triton.jit
@@ -380,29 +352,6 @@ def _attn_bwd_one_launch_kernel(
             IS_VARLEN)
 
 
-@triton.jit
-def _attn_bwd_dq_finish(
-    DQA, DQ,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    heads_q, seq_q, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    # dQ = sm_scale * the fp32 accumulator (rows laid out as delta), cast to dQ's dtype.
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = (pid_bh // heads_q).to(tl.int64)
-    off_h = (pid_bh % heads_q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = pid_bh.to(tl.int64) * seq_q + offs_m
-    acc = tl.load(DQA + rows[:, None] * BLOCK_D + offs_d[None, :],
-                  mask=offs_m[:, None] < seq_q, other=0.0)
-    mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
-             + offs_d[None, :] * stride_dqd, (acc * sm_scale).to(DQ.dtype.element_ty),
-             mask=mask)
-
-
 BwdStep = tuple[str, Callable[[], Any]]
 BWD_PARTS = ("pre", "dkdv", "dq")
 # The launch of the one-launch variant: its time depends on the dK/dV and dQ fields at once,
@@ -547,6 +496,105 @@ def _warn_portable_once(reason: str) -> None:
         "flashtune: the Hopper backward cannot take these tensors (%s); the portable kernels "
         "run instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to use "
         "it.", reason)
+
+
+class BwdLaunch:
+    """The backward for one call signature (shapes and strides of q, k, v, o and dO, dtype,
+    device, flags, config), prepared once. The two-kernel backward (variant 0, the default
+    for ``deterministic=True``) is prepared down to its three bound kernels: grids, scalars
+    and constexprs fixed, launched through the compiled kernels. Other variants prepare
+    their launches per call through :func:`bwd_steps`. Built from tensors whose data are
+    16-byte aligned, it serves every call of that signature whose data are too.
+    ``packed``: a varlen batch, as for :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
+
+    def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, *, causal: bool, sm_scale: float, window: tuple[int, int],
+                 softcap: float, config: BwdConfig, packed: Packed | None = None,
+                 deterministic: bool = True) -> None:
+        self.config = config
+        self.options = dict(causal=causal, sm_scale=sm_scale, window=window, softcap=softcap,
+                            config=config, deterministic=deterministic)
+        self.maxlen = None if packed is None else (packed.max_q, packed.max_k)
+        self.bound = config.variant == BWD_TWO_KERNEL
+        if not self.bound:
+            return
+        b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+        c = config
+        block_d = padded_head_dim(d)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
+        left, right, mask_left, mask_right = mask_params(causal, window)
+        qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
+        common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
+                      MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+                      IS_VARLEN=packed is not None)
+        # Tiles per sequence: the longest sequence's when packed.
+        tiles_q, tiles_k = (sq, sk) if packed is None \
+            else (max(packed.max_q, 1), max(packed.max_k, 1))
+        n_k, n_q = triton.cdiv(tiles_k, c.dkdv_block_n), triton.cdiv(tiles_q, c.dq_block_m)
+
+        def st(*ts: torch.Tensor) -> list[int]:
+            return [s for t in ts for s in kernel_strides(t, packed)]
+
+        # delta has the LSE's rows: a packed batch is one "batch entry" of total_q rows.
+        # Leading None slots (the tensors) change from call to call; the rest is fixed.
+        self.pre = BoundLaunch(
+            _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m),
+                                   hq * (b if packed is None else 1)),
+            [None] * 4 + [*st(o, do), hq, sq],
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m, ZERO_DQ=False), 4)
+        self.dkdv = BoundLaunch(
+            _attn_bwd_dkdv_kernel, (n_k * hk, b),
+            [None] * 12 + [*st(q, k, v, do, dk, dv), hk, sq, sk, left, right, n_k, sm_scale,
+                           qk_scale, cap_scale, cap_log2],
+            dict(BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, DQ_ATOMIC=False,
+                 DQ_TMA=False, **common,
+                 **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)), 12)
+        self.dq = BoundLaunch(
+            _attn_bwd_dq_kernel, (n_q * hq, b),
+            [None] * 9 + [*st(q, k, v, do, dq), hq, sq, sk, left, right, n_q, 0, sm_scale,
+                          qk_scale, cap_scale, cap_log2],
+            dict(BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
+                 **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)), 9)
+
+    def steps(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
+              cu_k: torch.Tensor | None = None,
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
+        """The (dq, dk, dv) buffers and the launches that fill them, in order."""
+        if not self.bound:
+            packed = None if cu_q is None or self.maxlen is None \
+                else Packed(cu_q, cu_k, *self.maxlen)
+            return bwd_steps(do, q, k, v, o, lse, packed=packed, **self.options)
+        lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
+        return (dq, dk, dv), [
+            ("pre", lambda: self.pre(o, do, delta, delta)),
+            ("dkdv", lambda: self.dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, *cu)),
+            ("dq", lambda: self.dq(q, k, v, do, lse, delta, dq, *cu)),
+        ]
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
+                 cu_k: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launch the backward (as :meth:`steps`, without the closures); (dq, dk, dv)."""
+        if not self.bound:
+            grads, steps = self.steps(do, q, k, v, o, lse, cu_q, cu_k)
+            for _, launch in steps:
+                launch()
+            return grads
+        lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
+        self.pre(o, do, delta, delta)
+        self.dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, *cu)
+        self.dq(q, k, v, do, lse, delta, dq, *cu)
+        return dq, dk, dv
+
+    @staticmethod
+    def _buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                 cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> tuple[Any, ...]:
+        """(lse contiguous, delta, dq, dk, dv, the prefix sums or q twice)."""
+        delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+        return (lse.contiguous(), delta, torch.empty_like(q), torch.empty_like(k),
+                torch.empty_like(v), (q, q) if cu_q is None else (cu_q, cu_k))
 
 
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

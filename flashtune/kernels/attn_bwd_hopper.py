@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtune.kernels.attn_bwd import _attn_bwd_dq_finish, _attn_bwd_preprocess
+from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
 from flashtune.kernels.config import BwdConfig
 
