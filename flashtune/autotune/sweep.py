@@ -68,9 +68,10 @@ def worker_id(label: str = "") -> str:
 
 
 def _cached(storage: Any, device: Any, software: Any, task: Task, trials: int | None) -> Any:
-    """A fresh stored result good enough to skip the task (as many trials as asked)."""
+    """A fresh stored result good enough to skip the task: measured here or verified here
+    (an import's claim never stands in for a measurement), with as many trials as asked."""
     r = storage.get_result(device, software, task.key)
-    if r is None or (trials is not None and r.trials < trials):
+    if r is None or not r.trusted or (trials is not None and r.trials < trials):
         return None
     return r
 

@@ -45,13 +45,17 @@ _INTERPRET = interpreting()
 # so a scale up to 1e20 keeps every score finite (fp32 ends at 3.4e38).
 _MAX_SCALE = 1e20
 
-Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
+# (direction, q, k, causal, window, softcap, deterministic) -> config. ``deterministic``
+# is the backward's kind (part of its problem key); the forward always passes True.
+Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float, bool],
                     "FwdConfig | BwdConfig"]
 
 
 def heuristic_resolver(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-                       window: tuple[int, int], softcap: float) -> FwdConfig | BwdConfig:
-    p = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
+                       window: tuple[int, int], softcap: float,
+                       deterministic: bool = True) -> FwdConfig | BwdConfig:
+    p = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap,
+                             deterministic=deterministic)
     return default_fwd(p) if direction == "fwd" else default_bwd(p)
 
 
@@ -187,16 +191,16 @@ def _fwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bo
                 window: tuple[int, int], softcap: float) -> FwdConfig:
     if enc:
         return FwdConfig(*enc)
-    cfg = _resolver("fwd", q, k, causal, window, softcap)
+    cfg = _resolver("fwd", q, k, causal, window, softcap, True)
     assert isinstance(cfg, FwdConfig)
     return cfg
 
 
 def _bwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                window: tuple[int, int], softcap: float) -> BwdConfig:
+                window: tuple[int, int], softcap: float, deterministic: bool) -> BwdConfig:
     if enc:
         return BwdConfig(*enc)
-    cfg = _resolver("bwd", q, k, causal, window, softcap)
+    cfg = _resolver("bwd", q, k, causal, window, softcap, deterministic)
     assert isinstance(cfg, BwdConfig)
     return cfg
 
@@ -214,9 +218,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               window: tuple[int, int], softcap: float, enc: Sequence[int],
               deterministic: bool = True,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is carried for backward variants to come: today's backward is
-    # deterministic either way (no atomics; GQA groups summed in a fixed order).
-    cfg = _bwd_config(enc, q, k, causal, window, softcap)
+    # ``deterministic`` picks the backward's problem key: a False call may be served a
+    # variant whose dQ accumulation order is not fixed; a True call never is.
+    cfg = _bwd_config(enc, q, k, causal, window, softcap, deterministic)
     return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
                     softcap=softcap, config=cfg)
 

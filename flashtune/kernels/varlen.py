@@ -56,13 +56,15 @@ def set_varlen_resolver(fn: ProblemResolver | None) -> None:
 
 def varlen_problem(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                   window: tuple[int, int], softcap: float) -> Problem:
+                   window: tuple[int, int], softcap: float,
+                   deterministic: bool = True) -> Problem:
     """The :class:`Problem` of a packed call: one batch entry per sequence, each as long as
     the longest (the kernels' grid has exactly that shape)."""
     return Problem(batch=cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],
                    seqlen_q=max(int(max_seqlen_q), 1), seqlen_k=max(int(max_seqlen_k), 1),
                    head_dim=q.shape[2], dtype=dtype_name(q.dtype), causal=causal,
-                   window=window, softcap=softcap, total_q=q.shape[0], total_k=k.shape[0])
+                   window=window, softcap=softcap, total_q=q.shape[0], total_k=k.shape[0],
+                   deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -134,12 +136,11 @@ def attn_varlen_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        causal: bool, scale: float, window_left: int, window_right: int,
                        softcap: float, deterministic: bool, bwd_config: list[int],
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is carried for backward variants to come: today's backward is
-    # deterministic either way (no atomics; GQA groups summed in a fixed order).
+    # ``deterministic`` picks the backward's problem key (see the dense path).
     window = (window_left, window_right)
     cfg = BwdConfig(*bwd_config) if bwd_config else _resolver(
         "bwd", varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window,
-                              softcap), q.device)
+                              softcap, deterministic), q.device)
     assert isinstance(cfg, BwdConfig)
     return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
                     softcap=softcap, config=cfg,
@@ -198,7 +199,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     validate_deterministic(deterministic)
     fwd_cfg, bwd_cfg = split_config(config)
     if fwd_cfg is not None or bwd_cfg is not None:
-        p = varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, cap)
+        p = varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, cap,
+                           deterministic)
         if fwd_cfg is not None:
             check_fwd(fwd_cfg, p)
         if bwd_cfg is not None:

@@ -25,7 +25,7 @@ from flashtune.db import open_storage
 from flashtune.db.exchange import export_json
 from flashtune.db.models import SCHEMA_REVISION, VERSION_TABLE, Base
 from flashtune.db.rdb import _alembic_config, _scripts
-from flashtune.exceptions import SchemaError
+from flashtune.exceptions import SchemaError, SchemaOutdatedError
 from tests.db._data import H200, SW, results
 from tests.db.conftest import FILE_BACKENDS
 
@@ -162,7 +162,7 @@ def test_first_schema_file_gets_the_sweep_tables(tmp_path: Path) -> None:
         assert not conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'ft_sweep%'"
                                 ).fetchall()
     with open_storage(str(db)) as s:
-        assert revision(s) == "0002"
+        assert revision(s) == SCHEMA_REVISION
         assert {"ft_sweeps", "ft_sweep_claims"} <= set(inspect(s.engine).get_table_names())
         assert _schema_diff(s) == []
 
@@ -182,7 +182,7 @@ def test_sweep_tables_made_by_create_all_are_kept(tmp_path: Path) -> None:
             "'done', 1)"))
     engine.dispose()
     with open_storage(str(db)) as s:
-        assert revision(s) == "0002"
+        assert revision(s) == SCHEMA_REVISION
         assert _schema_diff(s) == []
         with s.engine.connect() as conn:
             assert conn.execute(text("SELECT sweep_id, task, state FROM ft_sweep_claims")
@@ -190,9 +190,10 @@ def test_sweep_tables_made_by_create_all_are_kept(tmp_path: Path) -> None:
         assert export_json(s) == (ASSETS / "tuning_v0001.json").read_bytes()
 
 
-def test_a_first_schema_file_opens_read_only_without_upgrading(tmp_path: Path) -> None:
+def test_an_older_schema_file_is_refused_read_only_with_the_way_out(tmp_path: Path) -> None:
     db = tmp_path / "old.db"
     shutil.copy(ASSETS / "tuning_v0001.db", db)
-    with open_storage(str(db), read_only=True) as s:  # the dispatcher's open
-        assert revision(s) == "0001"
-        assert export_json(s) == (ASSETS / "tuning_v0001.json").read_bytes()
+    before = db.read_bytes()
+    with pytest.raises(SchemaOutdatedError, match="'0001', older than .*autotune info"):
+        open_storage(str(db), read_only=True)
+    assert db.read_bytes() == before  # a read-only open changed nothing
