@@ -135,9 +135,7 @@ def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[
     counters["db_reads"] += 1
     try:
         from flashtune.db import open_storage
-        from flashtune.exceptions import DatabaseMissingError
-
-        from flashtune.exceptions import SchemaOutdatedError
+        from flashtune.exceptions import DatabaseMissingError, SchemaOutdatedError
 
         try:
             # A locked database must not stall a training step for SQLite's 30 s default.

@@ -197,3 +197,70 @@ def test_an_older_schema_file_is_refused_read_only_with_the_way_out(tmp_path: Pa
     with pytest.raises(SchemaOutdatedError, match="'0001', older than .*autotune info"):
         open_storage(str(db), read_only=True)
     assert db.read_bytes() == before  # a read-only open changed nothing
+
+
+# The 0003 upgrade, on a database flashtune wrote at 0002 (``assets/make_v0002.py``): on
+# the H200, one forward problem tuned twice under one Triton and kernel sources but two
+# torch/CUDA versions (0.5 ms and 0.4 ms), a backward problem, a forward one under an old
+# Triton, an A100 entry, and a recorded miss.
+V2_CODE = dict(triton="3.9.0", kernels_hash="c" * 64)
+
+
+def test_schema_0002_file_upgrades_keeps_rows_and_rejudges_them(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from flashtune.db.fingerprint import SoftwareInfo
+    from flashtune.problem import Problem
+
+    db = tmp_path / "v2.db"
+    shutil.copy(ASSETS / "tuning_v0002.db", db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0002",)]
+        assert conn.execute("SELECT count(*) FROM ft_results").fetchone() == (5,)
+    with open_storage(str(db)) as s:
+        assert revision(s) == SCHEMA_REVISION and _schema_diff(s) == []
+        # Today's torch and CUDA differ from both stored ones, and ptxas is recorded now:
+        # the results made under this Triton and these kernel sources are fresh again.
+        now = SoftwareInfo(torch="2.14.0", triton=V2_CODE["triton"], cuda="13.0",
+                           kernels_hash=V2_CODE["kernels_hash"], ptxas="12.9.86")
+        everything = s.results(software=now)
+        # The two torch versions' rows became one software row: the faster result stayed.
+        assert len(everything) == 4
+        table = s.load_table(H200, now)
+        p1 = Problem(batch=2, heads_q=16, heads_kv=16, seqlen_q=1024, seqlen_k=1024,
+                     head_dim=128)
+        fwd = table[p1.key("fwd")]
+        assert (fwd.median_ms, fwd.host) == (0.4, "node-b")
+        assert (fwd.software.torch, fwd.software.cuda, fwd.software.ptxas) == (
+            "2.13.0", "12.8", "")  # provenance kept per result; ptxas not recorded then
+        assert len(table) == 2 and all(k.deterministic and not k.packed and k.tokens_bucket == 0
+                                       for k in table)
+        stale = [r for r in everything if r.stale]
+        assert [r.software.triton for r in stale] == ["3.6.0"]  # other Triton: stale still
+        # Origin: flashtune <= 0.1 did not record it; a measurement here replaces such a row.
+        assert {r.origin for r in everything} == {"unknown"}
+        assert all(r.verify == "unverified" and r.verified_at is None for r in everything)
+        slower = replace(fwd, software=now, median_ms=0.6, p20_ms=0.6, p80_ms=0.6,
+                         tflops=fwd.tflops * 0.4 / 0.6, origin="local")
+        assert s.put_results([slower]) == ["added"]  # now a software row with ptxas
+        # ... and two fresh results hold the key: the one measured here is served.
+        assert s.load_table(H200, now)[p1.key("fwd")].median_ms == 0.6
+        assert [(k.direction, n) for k, n, _ in s.misses()] == [("bwd", 3)]
+        assert {k.deterministic for k, _, _ in s.misses()} == {True}
+    with sqlite3.connect(db) as conn:  # no row lost its references
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+
+
+def test_the_dispatcher_upgrades_an_older_database_once(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashtune.db.fingerprint import SoftwareInfo
+    from flashtune.dispatch import _table
+
+    db = tmp_path / "v2.db"
+    shutil.copy(ASSETS / "tuning_v0002.db", db)
+    monkeypatch.setenv("FLASHTUNE_DB", str(db))
+    now = SoftwareInfo(torch="2.14.0", cuda="13.0", ptxas="12.9.86", **V2_CODE)
+    where, user, failed, error = _table.read_user(H200, now)
+    assert error is None and len(user) == 2 and failed == {}
+    with open_storage(str(db), read_only=True) as s:
+        assert revision(s) == SCHEMA_REVISION

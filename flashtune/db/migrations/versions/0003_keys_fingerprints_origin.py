@@ -111,7 +111,7 @@ def _merge_software() -> None:
                      {"old": sid, "new": into})
         conn.execute(sa.text("DELETE FROM ft_software WHERE id = :old"), {"old": sid})
     # Fingerprints are unique: move every kept row to a temporary value first.
-    for fp, sid in keep.items():
+    for sid in keep.values():
         conn.execute(sa.text("UPDATE ft_software SET fingerprint = :t WHERE id = :i"),
                      {"t": f"~{sid}", "i": sid})
     for fp, sid in keep.items():
