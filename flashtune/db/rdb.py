@@ -439,11 +439,13 @@ class RDBStorage(Storage):
                 return "added"
             row = s.scalars(find).one()  # a concurrent writer inserted it first
         # A measurement made here replaces what no one here measured or verified, whatever
-        # it claimed: an import must never block a real result.
-        untrusted = row.origin != "local" and row.verify != "passed"
-        if r.origin == "local" and untrusted:
+        # it claimed; and under "faster" a claim no one here checked never replaces one
+        # that was: an import can neither block nor displace a real result.
+        stored_trusted = row.origin == "local" or row.verify == "passed"
+        if r.origin == "local" and not stored_trusted:
             pass
-        elif prefer == "ours" or (prefer == "faster" and row.median_ms <= r.median_ms):
+        elif prefer == "ours" or (prefer == "faster" and (
+                row.median_ms <= r.median_ms or (stored_trusted and not r.trusted))):
             return "kept"
         for name, value in values.items():
             setattr(row, name, value)

@@ -100,10 +100,11 @@ class Storage(abc.ABC):
     concurrent writers (threads, processes, hosts on one PostgreSQL server) never see
     a half-written state. Conflicts on one triple are settled by ``prefer``:
     ``"faster"`` keeps the lower ``median_ms`` (ties keep the stored one), ``"ours"``
-    keeps the stored result, ``"theirs"`` takes the new one. One rule comes first: a
-    result measured here (``origin="local"``) replaces a stored result that is not
-    trusted (imported, shipped or of unknown origin, and not verified here), whatever
-    that one claimed; an import can never block a measurement.
+    keeps the stored result, ``"theirs"`` takes the new one. Trust comes first: a result
+    measured here (``origin="local"``) replaces a stored result that is not trusted
+    (:attr:`Result.trusted`: imported, shipped or of unknown origin, and not verified
+    here), whatever that one claimed; and under ``"faster"`` an untrusted result never
+    replaces a trusted one. An import can neither block nor displace a measurement.
 
     Values. ``config`` must be a valid config of the key's direction (unknown fields
     or values outside a knob's choices raise ``ValueError``); it is stored in full,
