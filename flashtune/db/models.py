@@ -136,7 +136,8 @@ class ResultRow(Base):
     cuda: Mapped[str] = mapped_column(String(128))  # provenance
     origin: Mapped[str] = mapped_column(String(16))  # storage.ORIGINS
     verify: Mapped[str] = mapped_column(String(16))  # storage.VERIFY_STATES
-    verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # ISO-8601 UTC text, parsed when read: one unreadable cell must cost its row only.
+    verified_at: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
     software: Mapped[Software] = relationship(lazy="joined", innerjoin=True)

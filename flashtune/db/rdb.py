@@ -178,6 +178,14 @@ def _utc(t: datetime) -> datetime:
     return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
 
 
+def _iso_utc(text: Any) -> str:
+    """An ISO-8601 time with a zone, as UTC text; ValueError / TypeError otherwise."""
+    t = datetime.fromisoformat(text)
+    if t.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone")
+    return _utc(t).isoformat(timespec="microseconds")
+
+
 def _insert(session: Session, model: type[Base]) -> Any:
     """The dialect's INSERT, which has ``on_conflict_do_nothing``."""
     dialect = session.get_bind().dialect.name
@@ -351,8 +359,7 @@ class RDBStorage(Storage):
                 search_seconds=row.search_seconds, host=row.host,
                 created_at=_utc(row.created_at).isoformat(timespec="microseconds"),
                 flashtune_version=row.flashtune_version, origin=row.origin, verify=row.verify,
-                verified_at=None if row.verified_at is None
-                else _utc(row.verified_at).isoformat(timespec="microseconds"))
+                verified_at=None if row.verified_at is None else _iso_utc(row.verified_at))
             # Every column as an import would be checked: SQLite stores any value in any
             # column, and one bad cell ('fast' as a median) must cost its row, not the read.
             if not isinstance(r.config, dict):
@@ -427,8 +434,7 @@ class RDBStorage(Storage):
             "created_at": datetime.fromisoformat(r.created_at),
             "flashtune_version": r.flashtune_version, "torch": r.software.torch,
             "cuda": r.software.cuda, "origin": r.origin, "verify": r.verify,
-            "verified_at": None if r.verified_at is None
-            else datetime.fromisoformat(r.verified_at),
+            "verified_at": None if r.verified_at is None else _iso_utc(r.verified_at),
         }
         find = select(ResultRow).filter_by(**ids).with_for_update()
         row = s.scalars(find).one_or_none()

@@ -70,7 +70,7 @@ def _results_columns() -> None:
                                server_default="unknown"))
         b.add_column(sa.Column("verify", sa.String(length=16), nullable=False,
                                server_default="unverified"))
-        b.add_column(sa.Column("verified_at", sa.DateTime(timezone=True), nullable=True))
+        b.add_column(sa.Column("verified_at", sa.String(length=64), nullable=True))
     conn = op.get_bind()
     for c in ("torch", "cuda"):
         conn.execute(sa.text(f"UPDATE ft_results SET {c} = (SELECT s.{c} FROM ft_software s "
