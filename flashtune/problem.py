@@ -106,7 +106,9 @@ class ProblemKey:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProblemKey:
-        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+        """The key of ``as_dict()`` output; fields added since (deterministic, packed,
+        tokens_bucket) take their defaults when absent."""
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__ if f in d})
 
     def family(self) -> tuple[str, str, int, bool, bool, bool, bool]:
         """Fields that must match for a *nearest* bucket to be served."""

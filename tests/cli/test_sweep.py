@@ -346,3 +346,26 @@ def test_from_stale_retunes_what_an_upgrade_made_stale_from_the_stale_winners(
     assert code == 1 and "nothing is stale" in err
     code, _, err = _sweep("--from-stale", "--preset", "tiny", "--db", db)
     assert code == 2 and "--from-stale and --preset" in err
+
+
+def test_shapes_and_tune_take_the_backward_kind(tmp_path: Path) -> None:
+    from flashtune.db import open_storage
+
+    free = load_shape_dicts([{"deterministic": False, **TINY}])[0]
+    assert not free.deterministic and load_shape_dicts([TINY])[0].deterministic
+    with pytest.raises(ValueError, match="deterministic must be true or false, got 'no'"):
+        load_shape_dicts([{"deterministic": "no"}])
+    db = str(tmp_path / "t.db")
+    res = CliRunner().invoke(main, [
+        "tune", "--interpret", "--db", db, "--batch", "2", "--heads", "2", "--seqlen", "32",
+        "--head-dim", "32", "--dtype", "fp16", "--direction", "bwd", "--trials", "1",
+        "--no-deterministic", "--tokens", "40", "--quiet", "--json"])
+    assert res.exit_code == 0, res.output
+    key = json.loads(res.stdout)["bwd"]["key"]
+    assert (key["deterministic"], key["packed"], key["tokens_bucket"]) == (False, True, 64)
+    with open_storage(db) as st:
+        assert [(r.key.deterministic, r.key.packed) for r in st.results()] == [(False, True)]
+    bad = CliRunner().invoke(main, ["tune", "--interpret", "--db", db, "--batch", "1",
+                                    "--heads", "2", "--seqlen", "32", "--head-dim", "32",
+                                    "--tokens", "33"])
+    assert bad.exit_code == 2 and "'--tokens'" in bad.output

@@ -160,3 +160,20 @@ def test_the_backward_of_a_call_looks_up_its_kind(db, device):
         flashtune.flash_attention(q, k, v, causal=True, deterministic=flag).sum().backward()
     chosen = {fk[-1]: cfg for fk, cfg in fast.items() if fk[0] == "bwd"}
     assert chosen[False] == BWD_A and chosen[True] == default_bwd(p)
+
+
+def test_a_packed_call_misses_and_is_recorded_under_its_packed_key(db, device):
+    import flashtune.kernels.varlen  # noqa: F401  (the dispatcher resolves varlen calls)
+
+    packed = prob(batch=3, total_q=150, total_k=150, deterministic=False)
+    q, k, v, cu_q, cu_k, mq, mk = _packed_qkv(packed, device)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    flashtune.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True,
+                                     deterministic=False).sum().backward()
+    assert dispatch.flush_misses(30)
+    with open_storage(db, read_only=True) as st:
+        got = {key: example for key, _, example in st.misses()}
+    assert set(got) == {packed.key("fwd"), packed.key("bwd")}
+    assert all(key.packed and key.tokens_bucket == 256 for key in got)
+    assert not packed.key("bwd").deterministic and got[packed.key("bwd")] == packed
