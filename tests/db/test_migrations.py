@@ -206,18 +206,57 @@ def test_an_older_schema_file_is_refused_read_only_with_the_way_out(tmp_path: Pa
 V2_CODE = dict(triton="3.9.0", kernels_hash="c" * 64)
 
 
-def test_schema_0002_file_upgrades_keeps_rows_and_rejudges_them(tmp_path: Path) -> None:
+def _v0002_database(db_url: str, tmp_path: Path) -> str:
+    """The 0002 asset as a database of ``db_url``'s backend: the file itself for SQLite; for
+    PostgreSQL, the 0002 schema made by the migrations and every row of the asset copied."""
+    from sqlalchemy import MetaData, create_engine
+
+    from flashtune.db import resolve_url
+
+    if "://" not in db_url:
+        shutil.copy(ASSETS / "tuning_v0002.db", db_url)
+        return db_url
+    url = resolve_url(db_url)
+    engine = create_engine(url)
+    cfg = _alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0002")
+    src = create_engine(f"sqlite:///{ASSETS / 'tuning_v0002.db'}")
+    md = MetaData()
+    md.reflect(src)
+    with src.connect() as s, engine.begin() as d:
+        for t in md.sorted_tables:
+            if t.name.startswith("ft_"):
+                rows = [dict(r._mapping) for r in s.execute(t.select())]
+                if rows:
+                    d.execute(t.insert(), rows)
+        for t in ("ft_devices", "ft_software", "ft_problems", "ft_results", "ft_misses"):
+            d.exec_driver_sql(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), "
+                              f"(SELECT max(id) FROM {t}))")
+    src.dispose()
+    engine.dispose()
+    return url
+
+
+@pytest.mark.parametrize("db_url", FILE_BACKENDS, indirect=True)
+def test_schema_0002_database_upgrades_keeps_rows_and_rejudges_them(db_url: str,
+                                                                     tmp_path: Path) -> None:
     from dataclasses import replace
+
+    from sqlalchemy import create_engine, text
 
     from flashtune.db.fingerprint import SoftwareInfo
     from flashtune.problem import Problem
 
-    db = tmp_path / "v2.db"
-    shutil.copy(ASSETS / "tuning_v0002.db", db)
-    with sqlite3.connect(db) as conn:
-        assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0002",)]
-        assert conn.execute("SELECT count(*) FROM ft_results").fetchone() == (5,)
-    with open_storage(str(db)) as s:
+    url = _v0002_database(db_url, tmp_path)
+    engine = create_engine(url if "://" in url else f"sqlite:///{url}")
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
+            ("0002",)]
+        assert conn.execute(text("SELECT count(*) FROM ft_results")).scalar() == 5
+    engine.dispose()
+    with open_storage(url) as s:
         assert revision(s) == SCHEMA_REVISION and _schema_diff(s) == []
         # Today's torch and CUDA differ from both stored ones, and ptxas is recorded now:
         # the results made under this Triton and these kernel sources are fresh again.
@@ -247,8 +286,9 @@ def test_schema_0002_file_upgrades_keeps_rows_and_rejudges_them(tmp_path: Path) 
         assert s.load_table(H200, now)[p1.key("fwd")].median_ms == 0.6
         assert [(k.direction, n) for k, n, _ in s.misses()] == [("bwd", 3)]
         assert {k.deterministic for k, _, _ in s.misses()} == {True}
-    with sqlite3.connect(db) as conn:  # no row lost its references
-        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    if "://" not in url:
+        with sqlite3.connect(url) as conn:  # no row lost its references
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
 
 
 def test_the_dispatcher_upgrades_an_older_database_once(tmp_path: Path,
