@@ -268,7 +268,7 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
                                 ("--from-misses", from_misses)) if v]
         if given:
             raise click.UsageError(f"choose one shape set, got --from-stale and {given[0]}")
-        title, problems = "stale results", []
+        title, problems = "stale results", list[Any]()
     else:
         title, problems = shape_set(preset, shapes, from_misses, db_url)
     from flashtune.autotune.sweep import Options, prepare_optuna, run_worker, stale_tasks
@@ -282,15 +282,15 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
         device = _check_gpus(gpu_ids) if gpu_ids and not interpreter else device_info()
         software = software_info()
         with open_storage(url) as st:  # create or upgrade the schema once, before any worker
-            tasks = stale_tasks(st, device, software, dirs) if from_stale \
+            todo = stale_tasks(st, device, software, dirs) if from_stale \
                 else tasks_for(problems, dirs)
-        if from_stale and not tasks:
+        if from_stale and not todo:
             raise click.ClickException(f"nothing is stale on {device.name} in {where(url)}: "
                                        "every result is fresh, or has a fresh one beside it")
-        problems = [p for _, p in tasks] if from_stale else problems
+        problems = [p for _, p in todo] if from_stale else problems
         prepare_optuna(url)
         with Board(url) as board:
-            sid = board.create(device, software, tasks, trials)
+            sid = board.create(device, software, todo, trials)
             freed = board.recover_local(sid)
         opts = Options(db_url=url, trials=trials, time_budget=time_budget, lease_s=lease,
                        retry_failed=retry_failed)

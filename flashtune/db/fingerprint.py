@@ -166,7 +166,7 @@ def ptxas_version() -> str:
     root = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations \
         else None
     bundled = os.path.join(root, "backends", "nvidia", "bin") if root else None
-    out = []
+    out: list[str] = []
     for name, env in (("ptxas", "TRITON_PTXAS_PATH"),
                       ("ptxas-blackwell", "TRITON_PTXAS_BLACKWELL_PATH")):
         paths = [p for p in (os.environ.get(env), bundled and os.path.join(bundled, name)) if p]

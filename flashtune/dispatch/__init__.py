@@ -234,19 +234,20 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     """
     _attention.validate_deterministic(deterministic)
     packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if all(a is None for a in packed):
-        _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
-        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
-                                       deterministic=deterministic)
-    elif any(a is None for a in packed):
-        raise ValueError("a packed batch needs all of cu_seqlens_q, cu_seqlens_k, "
-                         "max_seqlen_q and max_seqlen_k; a dense one none of them")
-    else:
+    if cu_seqlens_q is not None and cu_seqlens_k is not None and max_seqlen_q is not None \
+            and max_seqlen_k is not None:
         _varlen.validate_varlen(q, k, v, *packed)
         _, window, cap = _attention.validate_options(
             q.shape[2], causal, None, window_size, softcap, max_seqlen_q, max_seqlen_k)
         problem = _varlen.varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                          causal, window, cap, deterministic)
+    elif any(a is not None for a in packed):
+        raise ValueError("a packed batch needs all of cu_seqlens_q, cu_seqlens_k, "
+                         "max_seqlen_q and max_seqlen_k; a dense one none of them")
+    else:
+        _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
+        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
+                                       deterministic=deterministic)
     with lock:
         table = table_for(q.device, load=True)
         assert table is not None
