@@ -202,7 +202,8 @@ def test_an_older_schema_file_is_refused_read_only_with_the_way_out(tmp_path: Pa
 # The 0003 upgrade, on a database flashtune wrote at 0002 (``assets/make_v0002.py``): on
 # the H200, one forward problem tuned twice under one Triton and kernel sources but two
 # torch/CUDA versions (0.5 ms and 0.4 ms), a backward problem, a forward one under an old
-# Triton, an A100 entry, and a recorded miss.
+# Triton, a packed batch and a dense one that shared a key, an A100 entry, and two
+# recorded misses (one of a packed batch).
 V2_CODE = dict(triton="3.9.0", kernels_hash="c" * 64)
 
 
@@ -254,7 +255,7 @@ def test_schema_0002_database_upgrades_keeps_rows_and_rejudges_them(db_url: str,
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
             ("0002",)]
-        assert conn.execute(text("SELECT count(*) FROM ft_results")).scalar() == 5
+        assert conn.execute(text("SELECT count(*) FROM ft_results")).scalar() == 7
     engine.dispose()
     with open_storage(url) as s:
         assert revision(s) == SCHEMA_REVISION and _schema_diff(s) == []
@@ -264,7 +265,7 @@ def test_schema_0002_database_upgrades_keeps_rows_and_rejudges_them(db_url: str,
                            kernels_hash=V2_CODE["kernels_hash"], ptxas="12.9.86")
         everything = s.results(software=now)
         # The two torch versions' rows became one software row: the faster result stayed.
-        assert len(everything) == 4
+        assert len(everything) == 6
         table = s.load_table(H200, now)
         p1 = Problem(batch=2, heads_q=16, heads_kv=16, seqlen_q=1024, seqlen_k=1024,
                      head_dim=128)
@@ -272,8 +273,14 @@ def test_schema_0002_database_upgrades_keeps_rows_and_rejudges_them(db_url: str,
         assert (fwd.median_ms, fwd.host) == (0.4, "node-b")
         assert (fwd.software.torch, fwd.software.cuda, fwd.software.ptxas) == (
             "2.13.0", "12.8", "")  # provenance kept per result; ptxas not recorded then
-        assert len(table) == 2 and all(k.deterministic and not k.packed and k.tokens_bucket == 0
-                                       for k in table)
+        assert len(table) == 4 and all(k.deterministic for k in table)
+        # The packed batch moved to a key of its own; the dense one kept the old key.
+        packed = [r for r in table.values() if r.key.packed]
+        assert [(r.key.tokens_bucket, r.problem.total_q, r.median_ms) for r in packed] == [
+            (8192, 6000, 1.5)]
+        dense = packed[0].key.__class__(**{**packed[0].key.as_dict(), "packed": False,
+                                           "tokens_bucket": 0})
+        assert table[dense].median_ms == 2.5 and not table[dense].problem.packed
         stale = [r for r in everything if r.stale]
         assert [r.software.triton for r in stale] == ["3.6.0"]  # other Triton: stale still
         # Origin: flashtune <= 0.1 did not record it; a measurement here replaces such a row.
@@ -284,8 +291,8 @@ def test_schema_0002_database_upgrades_keeps_rows_and_rejudges_them(db_url: str,
         assert s.put_results([slower]) == ["added"]  # now a software row with ptxas
         # ... and two fresh results hold the key: the one measured here is served.
         assert s.load_table(H200, now)[p1.key("fwd")].median_ms == 0.6
-        assert [(k.direction, n) for k, n, _ in s.misses()] == [("bwd", 3)]
-        assert {k.deterministic for k, _, _ in s.misses()} == {True}
+        assert [(k.direction, k.packed, n) for k, n, _ in s.misses()] == [
+            ("bwd", False, 3), ("bwd", True, 2)]
     if "://" not in url:
         with sqlite3.connect(url) as conn:  # no row lost its references
             assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
@@ -301,6 +308,6 @@ def test_the_dispatcher_upgrades_an_older_database_once(tmp_path: Path,
     monkeypatch.setenv("FLASHTUNE_DB", str(db))
     now = SoftwareInfo(torch="2.14.0", cuda="13.0", ptxas="12.9.86", **V2_CODE)
     where, user, failed, error = _table.read_user(H200, now)
-    assert error is None and len(user) == 2 and failed == {}
+    assert error is None and len(user) == 4 and failed == {}
     with open_storage(str(db), read_only=True) as s:
         assert revision(s) == SCHEMA_REVISION

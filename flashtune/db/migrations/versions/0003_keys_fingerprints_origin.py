@@ -6,7 +6,8 @@ Revises: 0002
 Create Date: 2026-11-23
 
 - ``ft_problems`` gains ``deterministic`` (old rows: true), ``packed`` (false) and
-  ``tokens_bucket`` (0), all three in the unique key.
+  ``tokens_bucket`` (0), all three in the unique key. Results and misses whose example is
+  a packed batch (stored under the dense key until now) move to their packed key.
 - ``ft_software`` keeps only what changes the generated code: ``triton``, ``kernels_hash``
   and the new ``ptxas`` (old rows: ``""``, not recorded); its fingerprint is recomputed
   from those. Rows that differed only by torch or CUDA become one; where two of their
@@ -22,6 +23,8 @@ Create Date: 2026-11-23
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -80,6 +83,77 @@ def _results_columns() -> None:
             b.alter_column(c, server_default=None)
 
 
+def _bucket(n: int) -> int:
+    # flashtune.problem.bucket, frozen here.
+    return 1 if n <= 1 else min(1 << (int(n) - 1).bit_length(), 1 << 20)
+
+
+def _packed_tokens(example_json: str | None) -> int:
+    """The query tokens of a stored example problem; 0 for a dense one (or none)."""
+    try:
+        total = json.loads(example_json or "null") or {}
+        return int(total.get("total_q", 0)) if isinstance(total, dict) else 0
+    except (ValueError, TypeError):
+        return 0  # a corrupt cell: its row is skipped when read, whatever its key
+
+
+def _problem_id(conn: Any, old_id: int, tokens: int) -> int:
+    """The id of problem ``old_id``'s packed twin with ``tokens`` tokens (made if new)."""
+    cols = ", ".join(f'"{c}"' for c in _OLD_KEY)  # "window" is a keyword of PostgreSQL
+    row = conn.execute(sa.text(f"SELECT {cols} FROM ft_problems WHERE id = :i"),
+                       {"i": old_id}).one()
+    key = dict(zip(_OLD_KEY, row, strict=True), deterministic=True, packed=True,
+               tokens_bucket=_bucket(tokens))
+    where = " AND ".join(f'"{c}" = :{c}' for c in _KEY)
+    found = conn.execute(sa.text(f"SELECT id FROM ft_problems WHERE {where}"), key).scalar()
+    if found is None:
+        names = ", ".join(f'"{c}"' for c in _KEY)
+        conn.execute(sa.text(f"INSERT INTO ft_problems ({names}) VALUES "
+                             f"({', '.join(':' + c for c in _KEY)})"), key)
+        found = conn.execute(sa.text(f"SELECT id FROM ft_problems WHERE {where}"), key).scalar()
+    return int(found)
+
+
+def _rekey_packed() -> None:
+    """Results and misses of packed batches were stored under the dense key: move them to
+    the packed key their example problem has. A result that then meets another on the same
+    (device, software, key) keeps the faster, as for merged software rows."""
+    conn = op.get_bind()
+    for rid, dev, sw, prob, example, ms in conn.execute(sa.text(
+            "SELECT id, device_id, software_id, problem_id, example_json, median_ms "
+            "FROM ft_results ORDER BY id")).all():
+        tokens = _packed_tokens(example)
+        if tokens <= 0:
+            continue
+        new = _problem_id(conn, prob, tokens)
+        other = conn.execute(sa.text(
+            "SELECT id, median_ms FROM ft_results WHERE device_id = :d AND software_id = :s "
+            "AND problem_id = :p"), {"d": dev, "s": sw, "p": new}).one_or_none()
+        if other is not None and other[1] <= ms:
+            conn.execute(sa.text("DELETE FROM ft_results WHERE id = :i"), {"i": rid})
+            continue
+        if other is not None:
+            conn.execute(sa.text("DELETE FROM ft_results WHERE id = :i"), {"i": other[0]})
+        conn.execute(sa.text("UPDATE ft_results SET problem_id = :p WHERE id = :i"),
+                     {"p": new, "i": rid})
+    for mid, dev, prob, example, count in conn.execute(sa.text(
+            "SELECT id, device_id, problem_id, example_json, count FROM ft_misses "
+            "ORDER BY id")).all():
+        tokens = _packed_tokens(example)
+        if tokens <= 0:
+            continue
+        new = _problem_id(conn, prob, tokens)
+        other = conn.execute(sa.text("SELECT id FROM ft_misses WHERE device_id = :d AND "
+                                     "problem_id = :p"), {"d": dev, "p": new}).scalar()
+        if other is not None:  # counts add up under the packed key
+            conn.execute(sa.text("UPDATE ft_misses SET count = count + :c WHERE id = :o"),
+                         {"c": count, "o": other})
+            conn.execute(sa.text("DELETE FROM ft_misses WHERE id = :i"), {"i": mid})
+        else:
+            conn.execute(sa.text("UPDATE ft_misses SET problem_id = :p WHERE id = :i"),
+                         {"p": new, "i": mid})
+
+
 def _merge_software() -> None:
     """New fingerprints from the code fields; rows that now coincide become one."""
     conn = op.get_bind()
@@ -129,6 +203,7 @@ def upgrade() -> None:
         b.alter_column("ptxas", server_default=None)
         b.drop_column("torch")
         b.drop_column("cuda")
+    _rekey_packed()
     _merge_software()
 
 
