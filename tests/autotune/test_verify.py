@@ -113,3 +113,14 @@ def test_verify_cli_prints_a_table_and_json_and_exits_1_on_a_failure(tmp_path) -
     assert doc["entries"][0]["outcome"] == "failed" and doc["entries"][0]["host"] == "gpu-node-8"
     again = CliRunner().invoke(main, ["verify", "--interpret", "--db", str(db), "--no-shipped"])
     assert again.exit_code == 0 and "nothing to verify" in again.output
+    # The table: one row per entry, with its outcome and why.
+    table = CliRunner().invoke(main, ["verify", "--interpret", "--db", str(db), "--no-shipped",
+                                      "--again"])
+    assert table.exit_code == 0 and "nothing to verify" in table.output  # failed: not served
+    _import(tmp_path / "two.db", _entry(FWD, "fwd", config_to_dict(default_config("fwd", FWD)),
+                                        "gpu-node-9"))
+    shown = CliRunner().invoke(main, ["verify", "--interpret", "--db", str(tmp_path / "two.db"),
+                                      "--no-shipped"])
+    assert shown.exit_code == 0, shown.output
+    assert "passed" in shown.output and "gpu-node-9" in shown.output
+    assert "ms (interpreter)" in shown.output
