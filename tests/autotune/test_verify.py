@@ -124,3 +124,31 @@ def test_verify_cli_prints_a_table_and_json_and_exits_1_on_a_failure(tmp_path) -
     assert shown.exit_code == 0, shown.output
     assert "passed" in shown.output and "gpu-node-9" in shown.output
     assert "ms (interpreter)" in shown.output
+
+
+def test_shipped_entries_are_verified_into_the_database(tmp_path, monkeypatch) -> None:
+    from dataclasses import replace
+
+    from flashtune.db import exchange
+    from flashtune.dispatch import _table
+
+    team = tmp_path / "team.db"  # the package's layer, as `autotune export` writes it
+    _import(team, _entry(FWD, "fwd", config_to_dict(default_config("fwd", FWD)), "ci-h200"),
+            _entry(BWD, "bwd", config_to_dict(default_config("bwd", BWD)), "ci-h200"))
+    with open_storage(team) as st:
+        shipped = tuple(replace(r, origin="shipped")
+                        for r in exchange.validate_export(exchange.export_json(st)))
+    monkeypatch.setattr(exchange, "_shipped", lambda: shipped)
+    db = tmp_path / "tuning.db"
+    monkeypatch.setenv("FLASHTUNE_DB", str(db))
+    with open_storage(db) as st:
+        out = verify(st, seed=2, env=fault_env(({"direction": "bwd"}, "corrupt")))
+        assert {(o.key.direction, o.layer, o.outcome) for o in out} == {
+            ("fwd", "shipped", "passed"), ("bwd", "shipped", "failed")}
+        dev, sw = device_info(), software_info()
+        assert st.load_table(dev, sw)[FWD.key("fwd")].origin == "shipped"
+        assert st.failed(dev, sw)[BWD.key("bwd")].origin == "shipped"
+        assert verify(st) == []  # both settled
+    table = _table.load_table(device_info())
+    assert table.choose(FWD, "fwd").source == "tuned"
+    assert table.choose(BWD, "bwd").source == "default"  # the shipped entry is dropped here
