@@ -96,7 +96,7 @@ SOURCES = ("tuned", "nearest", "default")
 def resolve(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
             window: tuple[int, int], softcap: float, deterministic: bool = True) -> Config:
     """The config for one call (the resolver the kernels call when no config is forced).
-    ``deterministic`` is the backward's kind."""
+    ``deterministic`` is the backward's kind, part of its key."""
     fk = (direction, q.shape, k.shape, q.dtype, q.get_device(), causal, window, softcap,
           deterministic)
     cfg = fast.get(fk)
@@ -179,7 +179,8 @@ class Explanation:
     """What the dispatcher does for one call (:func:`explain`)."""
 
     problem: Problem
-    key: ProblemKey  # the forward key; the backward key differs only in ``direction``
+    key: ProblemKey  # the forward key; the backward's (``bwd.key``) differs in ``direction``
+    # and, for a non-deterministic call, ``deterministic``
     source: str  # the weaker of the two directions' sources
     fwd: Choice
     bwd: Choice
@@ -228,16 +229,36 @@ class Explanation:
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Explanation:
+            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            deterministic: bool = True, cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None) -> Explanation:
     """What :func:`flashtune.flash_attention` would run for these inputs, and why.
 
     Returns the problem key, the forward and backward configs, ``source`` ("tuned",
     "nearest" or "default"; the weaker of the two directions) and the database entries
-    they came from. Launches nothing, records no miss, tunes nothing; it may load the
+    they came from. ``deterministic`` is the backward's kind, as in ``flash_attention``.
+    A packed batch is explained as :func:`flashtune.flash_attn_varlen_func` runs it: pass
+    its (total, H, D) tensors with ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q`` and
+    ``max_seqlen_k``. Launches nothing, records no miss, tunes nothing; it may load the
     device's table (as the first call would).
     """
-    _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
-    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap)
+    _attention.validate_deterministic(deterministic)
+    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if cu_seqlens_q is not None and cu_seqlens_k is not None and max_seqlen_q is not None \
+            and max_seqlen_k is not None:
+        _varlen.validate_varlen(q, k, v, *packed)
+        _, window, cap = _attention.validate_options(
+            q.shape[2], causal, None, window_size, softcap, max_seqlen_q, max_seqlen_k)
+        problem = _varlen.varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                         causal, window, cap, deterministic)
+    elif any(a is not None for a in packed):
+        raise ValueError("a packed batch needs all of cu_seqlens_q, cu_seqlens_k, "
+                         "max_seqlen_q and max_seqlen_k; a dense one none of them")
+    else:
+        _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
+        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
+                                       deterministic=deterministic)
     with lock:
         table = table_for(q.device, load=True)
         assert table is not None

@@ -190,3 +190,43 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
             earlier = [(full(e.params), e.user_attrs["parts_ms"]) for e in measured
                        if e.number < t.number and "parts_ms" in e.user_attrs]
             assert full(t.params) in [c for _, c in space.compose(earlier)]
+
+
+def test_a_real_tune_replaces_imported_claims_whatever_they_claimed(tmp_path) -> None:
+    import dataclasses
+    import json
+    import random
+
+    from flashtune.db.exchange import FORMAT, FORMAT_VERSION, import_json
+    from flashtune.db.validation import to_entry
+    from tests.db import _data
+
+    db = tmp_path / "tuning.db"
+    here, sw = device_info(), software_info()
+    fast_p = dataclasses.replace(TINY, seqlen_q=64, seqlen_k=64)
+    # An import at the plausibility floor (1 us): faster than any interpreter run.
+    floor = _data.result(random.Random(1), device=here, software=sw, direction="fwd", p=fast_p,
+                         median_ms=1e-3, p20_ms=1e-3, p80_ms=1e-3,
+                         tflops=fast_p.flops("fwd") / 1e6, max_error=0.0)
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "entries": [to_entry(floor)]}
+    # ... and a 0 ms row of unknown origin, as a database of flashtune <= 0.1 may hold
+    # (imported before imports were checked for plausibility).
+    zero = dataclasses.replace(
+        _data.result(random.Random(2), device=here, software=sw, direction="fwd", p=TINY),
+        median_ms=0.0, p20_ms=0.0, p80_ms=0.0, tflops=0.0, origin="unknown")
+    with open_storage(db) as st:
+        assert import_json(st, json.dumps(doc).encode()).added == 1
+        assert st.put_results([zero]) == ["added"]
+    for p, claimed in ((TINY, 0.0), (fast_p, 1e-3)):
+        r = tune(p, "fwd", trials=1, storage=db, retime_rounds=0, warm_start=False)
+        assert r.stored and r.median_ms > claimed  # slower than the claim, and stored
+        with open_storage(db) as st:
+            got = st.get_result(here, sw, p.key("fwd"))
+            assert got is not None and got.origin == "local"
+            assert got.median_ms == pytest.approx(r.median_ms)
+            assert st.counts()["entries"] == 2  # replaced, not added beside
+    # Once measured here, the result stands: the faster claim imported again is kept out
+    # (only --prefer theirs forces it in).
+    with open_storage(db) as st:
+        assert import_json(st, json.dumps(doc).encode()).kept == 1
+        assert import_json(st, json.dumps(doc).encode(), prefer="theirs").replaced == 1
