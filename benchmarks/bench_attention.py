@@ -8,12 +8,19 @@ compiled FlexAttention, all timed in the same process. Prints a table of TFLOP/s
 flashtune/anchor ratios, and the bf16 matmul ceiling measured in the same run; writes
 full JSON with GPU, versions and date.
 
+``--bwd-variants 0,1,2`` also times the backward of each portable backward variant
+(``BwdConfig.variant``: 0 two kernels, 1 atomic dQ with ``deterministic=False``, 2 one
+launch; the default's tiles, same forward) as impls ``bwd0``, ``bwd1``, ``bwd2``, and prints
+each one's backward against the anchors.
+
     python benchmarks/bench_attention.py --out bench.json
+    python benchmarks/bench_attention.py --impls cudnn,fa2,flex --bwd-variants 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -24,7 +31,15 @@ from typing import Any
 import torch
 
 from flashtune.kernels.attention import flash_attention
-from flashtune.kernels.config import default_bwd, default_fwd, default_portable_fwd
+from flashtune.kernels.config import (
+    BWD_ATOMIC,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    FwdConfig,
+    default_bwd,
+    default_fwd,
+    default_portable_fwd,
+)
 from flashtune.problem import Problem
 from flashtune.timing import anchors, geomean, standard_matrix, three_timings
 
@@ -48,13 +63,24 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def bwd_variant_fn(p: Problem, fcfg: FwdConfig, variant: int) -> Any:
+    """flash_attention with the default tiles run as backward ``variant`` (the atomic one
+    with deterministic=False, as it requires)."""
+    det = variant != BWD_ATOMIC
+    cfg = default_bwd(dataclasses.replace(p, deterministic=det), variant)
+    return lambda q, k, v: flash_attention(q, k, v, causal=p.causal, config=(fcfg, cfg),
+                                           deterministic=det)
+
+
 def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: float,
-                  ) -> dict[str, Any]:
+                  bwd_variants: tuple[int, ...] = ()) -> dict[str, Any]:
     fcfg, bcfg = default_fwd(p), default_bwd(p)
-    fns: dict[str, Any] = {
-        "default": lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
-                                                   config=(fcfg, bcfg)),
-    }
+    fns: dict[str, Any] = {}
+    if "default" in impls:
+        fns["default"] = lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
+                                                         config=(fcfg, bcfg))
+    for variant in bwd_variants:
+        fns[f"bwd{variant}"] = bwd_variant_fn(p, fcfg, variant)
     if "portable" in impls:
         pcfg = default_portable_fwd(p)
         fns["portable"] = lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
@@ -102,6 +128,8 @@ def main() -> None:
     ap.add_argument("--flex-seqlens", default="1024,4096,16384",
                     help="FlexAttention compiles per shape: time it only at these S")
     ap.add_argument("--seqlens", default="", help="restrict the matrix to these S")
+    ap.add_argument("--bwd-variants", default="",
+                    help="also time these backward variants (comma list among 0,1,2)")
     ap.add_argument("--warmup", type=float, default=25.0)
     ap.add_argument("--rep", type=float, default=100.0)
     args = ap.parse_args()
@@ -110,11 +138,15 @@ def main() -> None:
     impls = args.impls.split(",")
     flex_s = {int(s) for s in args.flex_seqlens.split(",") if s}
     only = {int(s) for s in args.seqlens.split(",") if s}
+    variants = tuple(int(x) for x in args.bwd_variants.split(",") if x)
+    bad = [x for x in variants if x not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)]
+    if bad:
+        sys.exit(f"--bwd-variants: {bad} are not portable backward variants (allowed: 0,1,2)")
     rows = []
     for p in standard_matrix():
         if only and p.seqlen_q not in only:
             continue
-        row = bench_problem(p, impls, p.seqlen_q in flex_s, args.warmup, args.rep)
+        row = bench_problem(p, impls, p.seqlen_q in flex_s, args.warmup, args.rep, variants)
         rows.append(row)
         print(json.dumps({"label": row["label"], **{k: {m: round(x, 1) for m, x in v.items()
                                                          if m.endswith("tflops")}
@@ -125,18 +157,25 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print_table(doc)
+    for variant in variants:
+        print_table(doc, me=f"bwd{variant}", kinds=("bwd",))
 
 
-def print_table(doc: dict[str, Any]) -> None:
+def print_table(doc: dict[str, Any], me: str = "", kinds: tuple[str, ...] = ("fwd", "bwd",
+                                                                              "infer")) -> None:
+    """Per shape TFLOP/s and ``me`` / anchor ratios (``me``: tuned, else default)."""
     rows = doc["rows"]
-    names = [n for n in ("tuned", "default", "portable", "cudnn", "fa2", "efficient", "flex")
-             if any(n in r["impls"] for r in rows)]
-    me = "tuned" if "tuned" in names else "default"
+    names = [n for n in ("tuned", "default", "portable", "cudnn", "fa2", "efficient", "flex",
+                         me) if n and any(n in r["impls"] for r in rows)]
+    names = list(dict.fromkeys(names))
+    me = me or ("tuned" if "tuned" in names else "default")
+    if me not in names:
+        return
     print(f"\n{doc['environment']}")
     ceil = doc.get("matmul_tflops")
     if ceil:
         print(f"bf16 matmul ceiling: {ceil:.0f} TFLOP/s")
-    for kind in ("fwd", "bwd", "infer"):
+    for kind in kinds:
         print(f"\n## {kind} TFLOP/s (ratio = {me} / anchor)")
         print("| shape | " + " | ".join(names) + " | " +
               " | ".join(f"{me}/{n}" for n in names if n != me) + " |")

@@ -8,7 +8,13 @@ under each Triton version whose ptxas you need to know about (for example with t
 version's wheel unpacked first on PYTHONPATH); the feasibility rule in
 flashtune/kernels/config.py comes from these records. It never times anything.
 
+``--bwd`` builds the backward instead, once per variant (``BwdConfig.variant``; atomic dQ
+with pointer atomics and with the descriptor reduce-add), dense and packed, and records
+which atomic adds its kernels' PTX holds (``cp.reduce.async.bulk.tensor`` is the TMA
+reduce-add, ``red.global`` the pointer atomics).
+
     python benchmarks/probe_ptxas.py --out ptxas.jsonl --workers 2
+    python benchmarks/probe_ptxas.py --bwd --out bwd_sm90.jsonl
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
+import re
 import sys
 from typing import Any
 
@@ -45,6 +52,14 @@ class _Sm90Only:
         return True
 
 
+# PTX of every kernel the compile-only launches built, by kernel name (the latest build).
+BUILT_PTX: dict[str, str] = {}
+# How a dK/dV kernel adds dQ, by the PTX instruction that does it (an instruction starts
+# its line, after a predicate if any: "shared.global" is not "red.global").
+DQ_ADDS = {"cp.reduce.async.bulk.tensor": r"^\s*(@\S+\s+)?cp\.reduce\.async\.bulk\.tensor",
+           "red.global": r"^\s*(@\S+\s+)?red\.global"}
+
+
 def _install_compile_only() -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -55,7 +70,9 @@ def _install_compile_only() -> None:
     run = JITFunction.run
 
     def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kw: Any) -> Any:
-        return run(self, *args, grid=grid, warmup=True, **kw)
+        kernel = run(self, *args, grid=grid, warmup=True, **kw)
+        BUILT_PTX[self.fn.__name__] = kernel.asm.get("ptx", "")
+        return kernel
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
     # CPU tensors are 16-byte aligned and contiguous; let the launcher build descriptors.
@@ -87,6 +104,53 @@ def _build(job: tuple[int, int, int, int, int, bool]) -> dict[str, Any]:
     return rec
 
 
+def build_bwd(variant: int, tma: int, packed: bool, d: int = 64) -> dict[str, Any]:
+    """Build backward ``variant`` (compile-only, sm_90) at its default tiles for a small
+    causal GQA problem; the record says which launches built and how dQ is added."""
+    import dataclasses
+
+    import torch
+
+    from flashtune.kernels.attn_bwd import bwd_steps
+    from flashtune.kernels.attn_fwd import Packed
+    from flashtune.kernels.config import BWD_ATOMIC, default_bwd
+    from flashtune.problem import Problem
+
+    det = variant != BWD_ATOMIC
+    p = Problem(2, 4, 2, 256, 256, d, causal=True, deterministic=det)
+    cfg = dataclasses.replace(default_bwd(p, variant), **({"dkdv_atomic_tma": tma}
+                                                           if tma else {}))
+    rec: dict[str, Any] = {"variant": variant, "tma": tma, "packed": packed, "d": d}
+    if packed:
+        cu = torch.tensor([0, 100, 356], dtype=torch.int32)
+        q, k = (torch.empty(356, h, d, dtype=torch.bfloat16) for h in (4, 2))
+        lse, pk = torch.empty(4, 356), Packed(cu, cu, 256, 256)
+    else:
+        q, k = (torch.empty(2, h, 256, d, dtype=torch.bfloat16) for h in (4, 2))
+        lse, pk = torch.empty(2, 4, 256), None
+    BUILT_PTX.clear()
+    try:
+        _, steps = bwd_steps(torch.empty_like(q), q, k, torch.empty_like(k), torch.empty_like(q),
+                             lse, causal=True, sm_scale=0.1, window=(-1, -1), softcap=0.0,
+                             config=cfg, packed=pk, deterministic=det)
+        for _, launch in steps:
+            launch()
+        rec["result"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the record is the point
+        rec["result"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    rec["kernels"] = sorted(BUILT_PTX)
+    ptx = "\n".join(BUILT_PTX.values())
+    rec["dq_adds"] = [op for op, pat in DQ_ADDS.items() if re.search(pat, ptx, re.M)]
+    return rec
+
+
+def bwd_jobs() -> list[tuple[int, int, bool]]:
+    from flashtune.kernels.config import BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_TWO_KERNEL
+
+    return [(v, t, pk) for v, t in ((BWD_TWO_KERNEL, 0), (BWD_ATOMIC, 0), (BWD_ATOMIC, 1),
+                                    (BWD_ONE_LAUNCH, 0)) for pk in (False, True)]
+
+
 def grid() -> list[tuple[int, int, int, int, int, bool]]:
     """Configs the feasibility model accepts, ignoring the ptxas rule under test."""
     from flashtune.kernels.config import FwdConfig, is_feasible
@@ -110,8 +174,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON lines, one record per config")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--bwd", action="store_true", help="build the backward variants instead")
     args = ap.parse_args()
     import triton
+
+    if args.bwd:
+        _install_compile_only()
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"triton": triton.__version__, "target": "sm_90"}) + "\n")
+            for job in bwd_jobs():
+                rec = build_bwd(*job)
+                print(json.dumps(rec), file=sys.stderr, flush=True)
+                f.write(json.dumps(rec) + "\n")
+        return
 
     jobs = grid()
     print(f"triton {triton.__version__}: {len(jobs)} configs", file=sys.stderr, flush=True)

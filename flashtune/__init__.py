@@ -6,8 +6,9 @@ Public API: :func:`flash_attention` (PyTorch's (B, H, S, D) layout), :func:`flas
 :func:`explain`, :class:`FwdConfig`, :class:`BwdConfig` (for ``config=``), :class:`Problem`
 (for ``tune()``) and :data:`__version__`.
 Importing flashtune does not import triton, optuna or sqlalchemy; ``flash_attention``
-loads the kernels and installs the dispatcher (:mod:`flashtune.dispatch`) on first use,
-and the dispatcher opens the tuning database on its first call.
+(and every other name served by the dispatcher) loads the kernels and installs the
+dispatcher (:func:`flashtune.dispatch.install`) on first use, and the dispatcher opens
+the tuning database on its first call.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
     module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
+    mod = importlib.import_module(module)
+    if module in ("flashtune.dispatch", "flashtune.sdpa"):
+        importlib.import_module("flashtune.dispatch").install()  # the tuned configs
+    value = getattr(mod, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

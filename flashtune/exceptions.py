@@ -29,6 +29,10 @@ class SchemaError(StorageError):
     """The database is of a schema this version cannot use (too new, or not ours)."""
 
 
+class SchemaOutdatedError(SchemaError):
+    """A database opened read-only is of an older schema: one open for writing upgrades it."""
+
+
 class ImportValidationError(FlashtuneError, ValueError):
     """An export file failed validation; nothing was written."""
 

@@ -10,6 +10,13 @@ Buckets: ``batch * heads_q`` and each sequence length round *up* to the next
 power of two (``bucket(1000) == 1024``, ``bucket(1024) == 1024``,
 ``bucket(1025) == 2048``), clamped below at 1 and above at ``MAX_BUCKET``. Head
 dim, dtype, mask kind and GQA ratio are exact.
+
+Packed (varlen) batches have keys of their own: ``packed`` is True, ``tokens_bucket`` is
+the bucket of the query tokens, and ``sq_bucket`` / ``sk_bucket`` bucket the *longest*
+sequence (``bh_bucket`` counts sequences times heads). A dense key has ``packed`` False and
+``tokens_bucket`` 0. ``deterministic`` is part of the backward key (a ``False`` backward may
+use variants whose dQ accumulation order is not fixed); a forward key always has it True,
+so forward entries are shared by both kinds of call.
 """
 
 from __future__ import annotations
@@ -90,35 +97,55 @@ class ProblemKey:
     bh_bucket: int
     sq_bucket: int
     sk_bucket: int
+    deterministic: bool = True
+    packed: bool = False
+    tokens_bucket: int = 0  # the bucket of a packed batch's query tokens; 0 when dense
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProblemKey:
-        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+        """The key of ``as_dict()`` output; fields added since (deterministic, packed,
+        tokens_bucket) take their defaults when absent."""
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__ if f in d})
 
-    def family(self) -> tuple[str, str, int, bool, bool, bool]:
+    def family(self) -> tuple[str, str, int, bool, bool, bool, bool]:
         """Fields that must match for a *nearest* bucket to be served."""
-        return (self.direction, self.dtype, self.head_dim, self.causal, self.window, self.softcap)
+        return (self.direction, self.dtype, self.head_dim, self.causal, self.window, self.softcap,
+                self.packed)
+
+    def serves(self, wanted: ProblemKey) -> bool:
+        """Whether an entry stored under this key may be served, as nearest, for ``wanted``:
+        the same family, and never a non-deterministic entry to a deterministic call (a
+        deterministic entry may serve a non-deterministic call)."""
+        return self.family() == wanted.family() \
+            and (self.deterministic or not wanted.deterministic)
 
     def distance(self, other: ProblemKey) -> float:
-        """Log2 distance between buckets (inf if the family or GQA ratio differs)."""
-        if self.family() != other.family():
+        """Log2 distance from this (stored) key to the ``other`` (wanted) key; inf where this
+        key's entry cannot serve ``other`` (:meth:`serves`). A deterministic entry serving a
+        non-deterministic call costs one bucket step (a faster variant may exist)."""
+        if not self.serves(other):
             return math.inf
-        d = 0.0
+        d = 0.0 if self.deterministic == other.deterministic else 1.0
         for a, b in ((self.bh_bucket, other.bh_bucket), (self.sq_bucket, other.sq_bucket),
-                     (self.sk_bucket, other.sk_bucket)):
+                     (self.sk_bucket, other.sk_bucket),
+                     (max(self.tokens_bucket, 1), max(other.tokens_bucket, 1))):
             d += abs(math.log2(a) - math.log2(b))
         if self.gqa_ratio != other.gqa_ratio:
             d += 0.5 * abs(math.log2(self.gqa_ratio) - math.log2(other.gqa_ratio)) + 0.25
         return d
 
     def short(self) -> str:
+        """E.g. ``bwd bf16 d128 causal+win g4 bh64 sq1024 sk1024``; a non-deterministic
+        backward adds ``nondet``, a packed batch ``packed tok65536``."""
         mask = "causal" if self.causal else "full"
         extra = ("+win" if self.window else "") + ("+cap" if self.softcap else "")
+        tail = ("" if self.deterministic else " nondet") \
+            + (f" packed tok{self.tokens_bucket}" if self.packed else "")
         return (f"{self.direction} {self.dtype} d{self.head_dim} {mask}{extra} g{self.gqa_ratio} "
-                f"bh{self.bh_bucket} sq{self.sq_bucket} sk{self.sk_bucket}")
+                f"bh{self.bh_bucket} sq{self.sq_bucket} sk{self.sk_bucket}{tail}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,9 @@ class Problem:
     causal: bool = False
     window: tuple[int, int] = field(default=(-1, -1))
     softcap: float = 0.0
+    # The backward's kind: True (the default) asks for bit-identical gradients; False lets
+    # the tuner and the dispatcher use variants whose dQ accumulation order is not fixed.
+    deterministic: bool = True
     # Packed (varlen) batches: the token totals (0 for a dense batch). ``batch`` is then the
     # number of sequences and ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths.
     total_q: int = 0
@@ -159,6 +189,8 @@ class Problem:
         if not self.softcap >= 0.0:
             raise ValueError(f"softcap must be a float >= 0 (0: off), got {self.softcap!r}")
         object.__setattr__(self, "softcap", effective_softcap(self.softcap))
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         for name in ("total_q", "total_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -187,7 +219,9 @@ class Problem:
             direction=direction, dtype=self.dtype, head_dim=self.head_dim,
             causal=bool(self.causal), window=self.has_window, softcap=self.softcap > 0,
             gqa_ratio=self.gqa_ratio, bh_bucket=bucket(self.batch * self.heads_q),
-            sq_bucket=bucket(self.seqlen_q), sk_bucket=bucket(self.seqlen_k))
+            sq_bucket=bucket(self.seqlen_q), sk_bucket=bucket(self.seqlen_k),
+            deterministic=self.deterministic or direction == "fwd", packed=self.packed,
+            tokens_bucket=bucket(self.total_q) if self.packed else 0)
 
     def dims(self) -> str:
         """``BxHq[/Hkv]xSq[xSk]xD``: the shape, with Hkv and Sk only where they differ."""
@@ -203,7 +237,8 @@ class Problem:
         extra = (" causal" if self.causal else "") \
             + (f" win{list(self.window)}" if self.has_window else "") \
             + (f" cap{self.softcap:g}" if self.softcap else "") \
-            + (f" packed {tokens} tok" if self.packed else "")
+            + (f" packed {tokens} tok" if self.packed else "") \
+            + ("" if self.deterministic else " nondet")
         return f"{self.dims()} {self.dtype}{extra}"
 
     def flops(self, direction: str = "fwd") -> float:
@@ -237,6 +272,8 @@ class Problem:
         d["window"] = list(self.window)
         if not self.packed:  # a dense problem's dict is what it was before packed batches
             del d["total_q"], d["total_k"]
+        if self.deterministic:  # ... and a deterministic one's what it was before the flag
+            del d["deterministic"]
         return d
 
     @classmethod
@@ -247,7 +284,8 @@ class Problem:
 
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool = False,
-                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Problem:
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     deterministic: bool = True) -> Problem:
         from flashtune._env import dtype_name
 
         dt = dtype_name(q.dtype)
@@ -255,4 +293,4 @@ class Problem:
         return cls(batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
                    head_dim=d, dtype=dt, causal=bool(causal),
                    window=(int(window_size[0]), int(window_size[1])),
-                   softcap=float(softcap))
+                   softcap=float(softcap), deterministic=bool(deterministic))

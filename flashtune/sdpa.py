@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
+import flashtune.dispatch
 from flashtune.kernels.attention import _INTERPRET, _bwd_impl, _fwd_impl, flash_attention
 from flashtune.problem import HEAD_DIMS, default_scale, head_dim_ok
 
@@ -210,4 +210,5 @@ def register_with_torch() -> bool:
     return True
 
 
+flashtune.dispatch.install()  # the calls flashtune serves get the tuned configs
 register_with_torch()

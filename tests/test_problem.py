@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flashtune.problem import Problem
@@ -13,12 +15,38 @@ def _packed(**kw: int) -> Problem:
     return Problem(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def test_a_packed_problem_shares_the_key_of_its_dense_equivalent() -> None:
+def test_a_packed_problem_has_a_key_of_its_own() -> None:
     p = _packed()
     dense = Problem(4, 8, 2, 100, 100, 64, causal=True)
     assert p.packed and not dense.packed
-    assert p.key("fwd") == dense.key("fwd")  # sequences x heads, longest lengths
+    pk, dk = p.key("fwd"), dense.key("fwd")
+    assert pk != dk and pk.family() != dk.family()  # never served for one another
+    assert (pk.packed, pk.tokens_bucket) == (True, 256) and (dk.packed, dk.tokens_bucket) == (
+        False, 0)
+    # The other buckets mean what they mean for a dense batch: sequences x heads, and the
+    # longest sequence's lengths.
+    assert dataclasses.replace(pk, packed=False, tokens_bucket=0) == dk
+    assert pk.distance(dk) == dk.distance(pk) == float("inf")
+    assert pk.distance(_packed(total_q=400, total_k=400).key("fwd")) == 1.0  # 256 -> 512
+    assert pk.short().endswith("packed tok256")
     assert p.label() == "4x8/2x100x64 bf16 causal packed 250 tok"
+
+
+def test_determinism_is_in_the_backward_key_only() -> None:
+    det = Problem(2, 8, 8, 512, 512, 64)
+    free = dataclasses.replace(det, deterministic=False)
+    assert det.key("fwd") == free.key("fwd") and free.key("fwd").deterministic
+    kd, kf = det.key("bwd"), free.key("bwd")
+    assert kd != kf and (kd.deterministic, kf.deterministic) == (True, False)
+    assert kf.short().endswith("nondet") and "nondet" not in kd.short()
+    # Nearest serving: a non-deterministic entry never serves a deterministic call; a
+    # deterministic entry may serve a non-deterministic one, at a cost.
+    assert not kf.serves(kd) and kf.distance(kd) == float("inf")
+    assert kd.serves(kf) and kd.distance(kf) == 1.0
+    assert Problem.from_dict(free.as_dict()) == free
+    assert "deterministic" not in det.as_dict()  # a default problem's dict is unchanged
+    with pytest.raises(ValueError, match="deterministic must be true or false"):
+        Problem(2, 8, 8, 512, 512, 64, deterministic=1)  # type: ignore[arg-type]
 
 
 def test_packed_lengths_flops_and_dict() -> None:

@@ -83,7 +83,8 @@ def precompile(problem: dict[str, Any], direction: str,
         if direction == "fwd":
             attn_fwd(q, k, v, config=cfg, **kw)
         else:
-            attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, config=cfg, **kw)
+            attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, config=cfg,
+                     deterministic=p.deterministic, **kw)
     except Exception as e:  # the timing worker sees the same error and classifies it
         return time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:300]}"
     return time.perf_counter() - t0, ""

@@ -137,7 +137,8 @@ class Bench:
         if direction == "fwd":
             return lambda: fwd_mod.attn_fwd(q, k, v, config=cfg, **kw)
         args = self._bwd_args()
-        return lambda: bwd_mod.attn_bwd(*args, config=cfg, **kw)
+        det = self.problem.deterministic
+        return lambda: bwd_mod.attn_bwd(*args, config=cfg, deterministic=det, **kw)
 
     def time(self, direction: str, config: FwdConfig | BwdConfig, *, warmup_ms: float = 25,
              rep_ms: float = 100, cpu_reps: int = 3) -> Timing:
@@ -154,7 +155,8 @@ class Bench:
         from flashtune.kernels.attn_bwd import bwd_steps
 
         cfg: Any = config
-        _, steps = bwd_steps(*self._bwd_args(), config=cfg, **self.kw)
+        _, steps = bwd_steps(*self._bwd_args(), config=cfg,
+                             deterministic=self.problem.deterministic, **self.kw)
         tm, per = time_parts([f for _, f in steps], warmup_ms=warmup_ms, rep_ms=rep_ms,
                              cpu_reps=cpu_reps)
         return tm, {name: ms for (name, _), ms in zip(steps, per, strict=True)}

@@ -108,12 +108,13 @@ def preset(name: str) -> list[Problem]:
 # ------------------------------------------------------------------------- shapes files
 
 SHAPE_KEYS = ("batch", "heads", "kv_heads", "seqlen", "seqlen_k", "head_dim", "dtype",
-              "causal", "window", "softcap", "tokens")
+              "causal", "window", "softcap", "tokens", "deterministic")
 SHAPE_DEFAULTS: dict[str, Any] = {
     "batch": 1, "heads": 16, "kv_heads": None,  # None: same as heads
     "seqlen": 1024, "seqlen_k": None,  # None: same as seqlen
     "head_dim": 128, "dtype": "bf16", "causal": False, "window": None, "softcap": 0.0,
     "tokens": None,  # None: a dense batch; an int: a packed batch of that many tokens
+    "deterministic": True,  # the backward's kind: false also tunes variants with a free dQ order
 }
 
 
@@ -147,6 +148,9 @@ def shape_problem(d: Any, where: str = "shape") -> Problem:
         raise ValueError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {v['dtype']!r}")
     if not isinstance(v["causal"], bool):
         raise ValueError(f"{where}: causal must be true or false, got {v['causal']!r}")
+    if not isinstance(v["deterministic"], bool):
+        raise ValueError(f"{where}: deterministic must be true or false, got "
+                         f"{v['deterministic']!r}")
     if isinstance(v["softcap"], bool) or not isinstance(v["softcap"], (int, float)):
         raise ValueError(f"{where}: softcap must be a number, got {v['softcap']!r}")
     tokens = v["tokens"]
@@ -161,7 +165,7 @@ def shape_problem(d: Any, where: str = "shape") -> Problem:
             seqlen_q=v["seqlen"], seqlen_k=v["seqlen"] if v["seqlen_k"] is None else v["seqlen_k"],
             head_dim=v["head_dim"], dtype=v["dtype"], causal=v["causal"],
             window=_window(v["window"], v["causal"], where), softcap=float(v["softcap"]),
-            total_q=tokens or 0, total_k=tokens or 0)
+            total_q=tokens or 0, total_k=tokens or 0, deterministic=v["deterministic"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

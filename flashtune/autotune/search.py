@@ -198,7 +198,7 @@ class Search:
         trial = self.study.ask()
         trial.set_user_attr("host", self.host)
         trial.set_user_attr("pid", self.pid)
-        cfg = self.s.space.suggest(trial)
+        cfg = self.s.space.suggest(trial, self.problem)
         params = config_to_dict(cfg)
         ok, reason = self.s.space.feasible(cfg, self.problem)
         if not ok:

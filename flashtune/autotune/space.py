@@ -32,6 +32,7 @@ from flashtune.kernels.config import (
     config_to_dict,
     is_feasible,
     variant_of,
+    variant_unavailable,
 )
 from flashtune.problem import Problem
 
@@ -115,12 +116,24 @@ class SearchSpace:
         used = set(active_fields(CONFIG_TYPES[self.direction], variant_of(dict(params))))
         return [n for n, _ in self.choices if n in used]
 
-    def suggest(self, trial: Any) -> Config:
-        """Ask an Optuna trial for the variant first, then for one value per field that the
-        variant uses (define-by-run); the other fields keep their defaults."""
+    def variants(self, problem: Problem | None = None) -> list[int]:
+        """The variants of this space that may serve ``problem``: those that
+        :func:`~flashtune.kernels.config.variant_unavailable` rules out whatever their other
+        knobs (the atomic backward for a deterministic problem, a kernel this machine cannot
+        run) are left out, so they are never sampled."""
+        vals = list(self.fields.get("variant", ()))
+        if problem is None:
+            return vals
+        return [v for v in vals if not variant_unavailable(self.direction, v, problem)]
+
+    def suggest(self, trial: Any, problem: Problem | None = None) -> Config:
+        """Ask an Optuna trial for the variant first (among those that may serve
+        ``problem``), then for one value per field that the variant uses (define-by-run);
+        the other fields keep their defaults."""
         params: dict[str, Any] = {}
         if "variant" in self.fields:
-            params["variant"] = trial.suggest_categorical("variant", list(self.fields["variant"]))
+            allowed = self.variants(problem) or list(self.fields["variant"])
+            params["variant"] = trial.suggest_categorical("variant", allowed)
         for name in self.active(params):
             if name not in params:
                 params[name] = trial.suggest_categorical(name, list(self.fields[name]))

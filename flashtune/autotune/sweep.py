@@ -67,10 +67,28 @@ def worker_id(label: str = "") -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}{tail}"
 
 
+def stale_tasks(storage: Any, device: Any, software: Any, directions: Sequence[str],
+                ) -> list[tuple[Any, Any]]:
+    """``(key, problem)`` tasks for ``autotune sweep --from-stale``: every key of
+    ``directions`` with a stale result on ``device`` and no fresh one, in key order, each
+    with its stale result's example problem (else a representative of the key). The
+    tuner enqueues the stale winners as the first trials (see its warm start)."""
+    from flashtune.autotune.verify import representative
+
+    fresh = set(storage.load_table(device, software))
+    out: dict[Any, Any] = {}
+    for r in storage.results(software=software):
+        if r.stale and r.device.fingerprint == device.fingerprint \
+                and r.key.direction in directions and r.key not in fresh:
+            out.setdefault(r.key, r.problem if r.problem is not None else representative(r.key))
+    return sorted(out.items())
+
+
 def _cached(storage: Any, device: Any, software: Any, task: Task, trials: int | None) -> Any:
-    """A fresh stored result good enough to skip the task (as many trials as asked)."""
+    """A fresh stored result good enough to skip the task: measured here or verified here
+    (an import's claim never stands in for a measurement), with as many trials as asked."""
     r = storage.get_result(device, software, task.key)
-    if r is None or (trials is not None and r.trials < trials):
+    if r is None or not r.trusted or (trials is not None and r.trials < trials):
         return None
     return r
 

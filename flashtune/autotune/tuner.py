@@ -158,9 +158,10 @@ class TuneSession:
 
 def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, direction: str,
                   space: SearchSpace) -> list[tuple[dict[str, Any], str]]:
-    """Warm-start points, in order: the heuristic default, then the database's seeds (the
-    same key's stale and other-device results, the nearest tuned keys on this device),
-    each projected into ``space`` (points outside it are skipped)."""
+    """Warm-start points, in order: the key's stale winners on this device (what an
+    upgrade made stale: the best prior there is), the heuristic default, then the other
+    seeds of the database (the key's results on other devices, the nearest tuned keys on
+    this device), each projected into ``space`` (points outside it are skipped)."""
     out: list[tuple[dict[str, Any], str]] = []
     seen: set[tuple[Any, ...]] = set()
 
@@ -173,20 +174,22 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
             seen.add(sig)
             out.append((point, source))
 
-    add(config_to_dict(default_config(direction, problem)), "default")
+    seeds = []
     if storage is not None:
         try:
             seeds = storage.seeds(device, problem.key(direction), software)
         except Exception as e:  # a broken seed source must not stop a tune
             warnings.warn(f"warm start: could not read seeds: {e}", stacklevel=2)
-            seeds = []
-        here = device.fingerprint
-        for r in seeds:
-            if r.key == problem.key(direction):
-                src = "stale" if r.device.fingerprint == here else f"device:{r.device.name}"
-            else:
-                src = "nearest"
-            add(dict(r.config), src)
+    here, key = device.fingerprint, problem.key(direction)
+    for r in seeds:
+        if r.key == key and r.device.fingerprint == here and r.stale:
+            add(dict(r.config), "stale")
+    add(config_to_dict(default_config(direction, problem)), "default")
+    for r in seeds:
+        if r.key == key and r.device.fingerprint != here:
+            add(dict(r.config), f"device:{r.device.name}")
+        elif r.key != key:
+            add(dict(r.config), "nearest")
     return out
 
 
@@ -238,8 +241,11 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
             study.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
     if s.sampler == "grid":
+        variants = s.space.variants(problem)
         for params in s.space.grid():
-            study.enqueue_trial(params, user_attrs={"seed_source": "grid"}, skip_if_exists=True)
+            if params.get("variant", 0) in variants or not variants:
+                study.enqueue_trial(params, user_attrs={"seed_source": "grid"},
+                                    skip_if_exists=True)
     search = Search(problem, direction, study, s, target.session, lookahead=lookahead,
                     n_startup=n_startup, t_start=t_start, progress=progress)
     search.run()

@@ -1,6 +1,7 @@
 """The ``autotune`` command line (click group).
 
-Each command family lives in its own module (tune, sweep, db, bench, report, info);
+Each command family lives in its own module (tune, sweep, db, bench, report, info,
+verify);
 this file only wires their commands into the group. ``python -m flashtune.cli`` is the
 same as ``autotune``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import click
 
 from flashtune._version import __version__
-from flashtune.cli import bench, db, info, report, sweep, tune
+from flashtune.cli import bench, db, info, report, sweep, tune, verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,5 +21,5 @@ def main() -> None:
 
 
 for _cmd in (db.export, db.import_, db.show, tune.tune_cmd, sweep.sweep, bench.bench,
-             report.report, info.info):
+             report.report, info.info, verify.verify_cmd):
     main.add_command(_cmd)

@@ -69,7 +69,18 @@ def _show_entry(r: Any) -> dict[str, Any]:
     e["device"]["fingerprint"] = r.device.fingerprint
     e["software"]["fingerprint"] = r.software.fingerprint
     e["stale"] = r.stale
+    e["origin"], e["verify"], e["verified_at"] = r.origin, r.verify, r.verified_at
     return e
+
+
+def _status(r: Any) -> str:
+    """STALE, FAILED (by `autotune verify`: never served), and where a result came from
+    when it was not measured into this database."""
+    marks = ["STALE" if r.stale else "", "FAILED" if r.verify == "failed" else "",
+             "" if r.origin == "local" else r.origin]
+    if r.verify == "passed":
+        marks.append("verified")
+    return " ".join(m for m in marks if m)
 
 
 def _tflops(r: Any) -> str:
@@ -91,7 +102,7 @@ def _results_table(results: list[Any]) -> Any:
         cfg = " ".join(f"{k}={v}" for k, v in sorted(r.config.items()))
         # Text, never markup: names come from imported files.
         table.add_row(Text(r.device.name), Text(r.key.short()), f"{r.median_ms:.4g}",
-                      _tflops(r), Text(cfg), "STALE" if r.stale else "")
+                      _tflops(r), Text(cfg), _status(r))
     return table
 
 

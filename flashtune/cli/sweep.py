@@ -228,6 +228,9 @@ def _check_gpus(gpus: list[str]) -> Any:
 @click.option("--gpus", default=None, metavar="0,1,...",
               help="Run one worker process per listed GPU (CUDA_VISIBLE_DEVICES each).")
 @click.option("--retry-failed", is_flag=True, help="Tune again the problems that failed.")
+@click.option("--from-stale", is_flag=True,
+              help="Re-tune what an upgrade made stale on this device (kernel sources, Triton "
+                   "or ptxas changed), starting from the stale winners.")
 @click.option("--lease", type=FiniteRange(min=1, max=86400), default=120.0, show_default=True,
               metavar="S", help="Seconds without a heartbeat before another worker takes a "
                                 "problem over.")
@@ -237,7 +240,8 @@ def _check_gpus(gpus: list[str]) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: str,
           trials: int | None, time_budget: float | None, gpus: str | None, retry_failed: bool,
-          lease: float, interpret: bool, db_url: str | None, as_json: bool) -> None:
+          from_stale: bool, lease: float, interpret: bool, db_url: str | None,
+          as_json: bool) -> None:
     """Tune a shape set on this machine; rerun to resume, share --db to scale out.
 
     Workers on many GPUs (--gpus) and hosts that are given the same shape set and the
@@ -248,7 +252,7 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
     restore = interrupt_on_sigterm()
     try:
         _sweep(preset, shapes, from_misses, direction, trials, time_budget, gpus,
-               retry_failed, lease, interpret, db_url, as_json)
+               retry_failed, lease, interpret, db_url, as_json, from_stale)
     finally:
         restore()
 
@@ -256,11 +260,18 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
 def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: str,
            trials: int | None, time_budget: float | None, gpus: str | None,
            retry_failed: bool, lease: float, interpret: bool, db_url: str | None,
-           as_json: bool) -> None:
+           as_json: bool, from_stale: bool = False) -> None:
     gpu_ids = _parse_gpus(gpus)
     interpreter = kernel_mode("sweep", interpret)
-    title, problems = shape_set(preset, shapes, from_misses, db_url)
-    from flashtune.autotune.sweep import Options, prepare_optuna
+    if from_stale:
+        given = [n for n, v in (("--preset", preset), ("--shapes", shapes),
+                                ("--from-misses", from_misses)) if v]
+        if given:
+            raise click.UsageError(f"choose one shape set, got --from-stale and {given[0]}")
+        title, problems = "stale results", list[Any]()
+    else:
+        title, problems = shape_set(preset, shapes, from_misses, db_url)
+    from flashtune.autotune.sweep import Options, prepare_optuna, stale_tasks
     from flashtune.db import open_storage, resolve_url
     from flashtune.db.claims import Board, tasks_for
     from flashtune.db.fingerprint import device_info, software_info
@@ -272,11 +283,17 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
         software = software_info()
         with open_storage(url) as st:  # create or upgrade the schema once, before any worker
             st.check_writable()  # mode=ro: refused before Optuna (which ignores it) writes
+            todo = stale_tasks(st, device, software, dirs) if from_stale \
+                else tasks_for(problems, dirs)
+        if from_stale and not todo:
+            raise click.ClickException(f"nothing is stale on {device.name} in {where(url)}: "
+                                       "every result is fresh, or has a fresh one beside it")
+        problems = [p for _, p in todo] if from_stale else problems
         prepare_optuna(url)
         # One board for the whole sweep: its every transaction, the last read included,
         # checks that the database file is the one the sweep started on.
         with Board(url) as board:
-            sid = board.create(device, software, tasks_for(problems, dirs), trials)
+            sid = board.create(device, software, todo, trials)
             freed = board.recover_local(sid)
             opts = Options(db_url=url, trials=trials, time_budget=time_budget, lease_s=lease,
                            retry_failed=retry_failed)

@@ -68,6 +68,12 @@ def _progress(ev: dict[str, Any]) -> None:
               metavar="LEFT RIGHT", help="Sliding window (-1 = unbounded).")
 @click.option("--softcap", type=FiniteRange(min=0), default=0.0,
               help="Soft-capping of the scores (0 = off).")
+@click.option("--deterministic/--no-deterministic", default=True, show_default=True,
+              help="The backward's kind: --no-deterministic also tunes backward variants whose "
+                   "dQ accumulation order is not fixed (stored under their own key).")
+@click.option("--tokens", type=SIZE, default=None,
+              help="A packed (varlen) batch of this many tokens: --batch sequences of at most "
+                   "--seqlen tokens each (default: a dense batch).")
 @search_options("Candidates to measure per direction (a resumed study's count included).",
                 "Seconds per direction.")
 @click.option("--patience", type=TRIALS, default=None,
@@ -81,7 +87,8 @@ def _progress(ev: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_heads: int | None,
              seqlen: int, seqlen_k: int | None, head_dim: int, dtype: str, causal: bool,
-             window: tuple[int, int], softcap: float, direction: str, trials: int | None,
+             window: tuple[int, int], softcap: float, deterministic: bool, tokens: int | None,
+             direction: str, trials: int | None,
              time_budget: float | None, patience: int | None, trial_timeout: float | None,
              compile_workers: int | None, seed: int, quiet: bool, as_json: bool) -> None:
     """Tune one attention problem and store the fastest correct config(s)."""
@@ -91,13 +98,18 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
     from flashtune.kernels.config import config_to_dict
     from flashtune.problem import Problem
 
+    if tokens is not None and not seqlen <= tokens <= batch * seqlen:
+        raise click.BadParameter(f"{tokens} is not from --seqlen {seqlen} to --batch * --seqlen "
+                                 f"{batch * seqlen}", param_hint="'--tokens'")
     if heads % (kv_heads or heads):
         raise click.UsageError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} "
                                "(grouped-query attention)")
     try:
         problem = Problem(batch=batch, heads_q=heads, heads_kv=kv_heads or heads,
                           seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
-                          dtype=dtype, causal=causal, window=window, softcap=softcap)
+                          dtype=dtype, causal=causal, window=window, softcap=softcap,
+                          deterministic=deterministic,
+                          total_q=tokens or 0, total_k=tokens or 0)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with clean_errors():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -152,7 +152,7 @@ def import_json(storage: Storage, data: bytes, prefer: str = "faster") -> Import
 def _shipped() -> tuple[Result, ...]:
     try:
         data = resources.files("flashtune").joinpath("data").joinpath("shipped.json").read_bytes()
-        return tuple(validate_export(data))
+        return tuple(replace(r, origin="shipped") for r in validate_export(data))
     except (OSError, ImportValidationError) as e:
         log.warning("flashtune: ignoring the shipped tuning data: %s", e)
         return ()

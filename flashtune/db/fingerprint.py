@@ -2,8 +2,15 @@
 
 A result is stored under (device fingerprint, software fingerprint, problem key). The
 device fingerprint decides *where* a config may be served; the software fingerprint
-decides whether it is fresh: a result tuned under other torch/triton/CUDA versions or
-other kernel sources is stale (kept, used as a warm-start seed, never served as tuned).
+decides whether it is fresh. It covers what changes the generated code: the kernel
+sources (a hash of their files), the Triton version and the version of the ptxas that
+Triton runs. A result made under other ones is stale (kept, used as a warm-start seed,
+never served as tuned); :func:`stale_fields` names the fields that differ. The torch and
+CUDA runtime versions are kept with each result as provenance only.
+
+A ptxas version of ``""`` means *not recorded* (results of flashtune <= 0.1, before the
+database kept it): such a result is judged by the other fields, since Triton runs the
+ptxas bundled with its release unless ``TRITON_PTXAS_PATH`` says otherwise.
 
 This module is imported on the dispatch path, so it must stay cheap: no sqlalchemy,
 torch only inside the functions, and both lookups cached per process.
@@ -13,6 +20,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import os
+import re
+import subprocess
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -50,21 +61,38 @@ class DeviceInfo:
         return text == self.fingerprint or text.lower() in self.name.lower()
 
 
+UNRECORDED = ""
+"""The ptxas version of a result stored before the database recorded it."""
+CODE_FIELDS = ("kernels_hash", "triton", "ptxas")
+"""The software fields that decide freshness, in the order :func:`stale_fields` names them."""
+
+
 @dataclass(frozen=True)
 class SoftwareInfo:
-    """The software a result was tuned under. Mirrors the ``ft_software`` table."""
+    """The software a result was tuned under. ``triton``, ``ptxas`` and ``kernels_hash``
+    (the ``ft_software`` table) make the fingerprint; ``torch`` and ``cuda`` are provenance,
+    kept per result."""
 
     torch: str
     triton: str
     cuda: str
     kernels_hash: str
+    ptxas: str = UNRECORDED
 
     @property
     def fingerprint(self) -> str:
-        return _digest(self.torch, self.triton, self.cuda, self.kernels_hash)
+        return _digest(self.triton, self.ptxas, self.kernels_hash)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def stale_fields(stored: SoftwareInfo, current: SoftwareInfo) -> list[str]:
+    """The code fields in which ``stored`` differs from ``current`` (empty: fresh). An
+    unrecorded ptxas (:data:`UNRECORDED`) matches any."""
+    return [f for f in CODE_FIELDS
+            if getattr(stored, f) != getattr(current, f)
+            and not (f == "ptxas" and UNRECORDED in (stored.ptxas, current.ptxas))]
 
 
 @functools.cache
@@ -118,13 +146,45 @@ def _version(dist: str) -> str:
         return "none"
 
 
+def _tool_version(path: str) -> str | None:
+    """``release X.Y, VX.Y.Z`` of an NVIDIA tool's ``--version`` as ``X.Y.Z``; None if it
+    cannot run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release [\d.]+, V([\d.]+)", out) or re.search(r"release ([\d.]+)", out)
+    return m.group(1) if m else None
+
+
+def ptxas_version() -> str:
+    """The version of the ptxas Triton runs (``TRITON_PTXAS_PATH``, else the one bundled
+    with Triton), plus ``/bw`` and the Blackwell ptxas's where Triton ships a second one;
+    ``"none"`` where there is none. Triton is located, not imported."""
+    spec = importlib.util.find_spec("triton")
+    root = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations \
+        else None
+    bundled = os.path.join(root, "backends", "nvidia", "bin") if root else None
+    out: list[str] = []
+    for name, env in (("ptxas", "TRITON_PTXAS_PATH"),
+                      ("ptxas-blackwell", "TRITON_PTXAS_BLACKWELL_PATH")):
+        paths = [p for p in (os.environ.get(env), bundled and os.path.join(bundled, name)) if p]
+        found = next((v for v in map(_tool_version, paths) if v), None)
+        if found:
+            out.append(found if not out else f"bw{found}")
+    return "/".join(out) or "none"
+
+
 @functools.lru_cache(maxsize=1)
 def software_info() -> SoftwareInfo:
-    """torch, triton and CUDA versions and the kernel-source hash, cached per process."""
+    """torch, triton, CUDA and ptxas versions and the kernel-source hash, cached per
+    process."""
     import torch
 
     triton = _version("triton")
     if triton == "none":
         triton = _version("pytorch-triton")
     return SoftwareInfo(torch=str(torch.__version__), triton=triton,
-                        cuda=str(torch.version.cuda or "none"), kernels_hash=kernels_hash())
+                        cuda=str(torch.version.cuda or "none"), kernels_hash=kernels_hash(),
+                        ptxas=ptxas_version())

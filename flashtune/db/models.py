@@ -36,11 +36,12 @@ from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
 from flashtune.problem import ProblemKey
 
 VERSION_TABLE = "flashtune_alembic_version"
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 """The newest migration: a database at it opens without loading Alembic (a test checks)."""
-READABLE_REVISIONS = frozenset({"0001", SCHEMA_REVISION})
+READABLE_REVISIONS = frozenset({SCHEMA_REVISION})
 """Revisions whose result tables equal the newest: a read-only open (the dispatcher's)
-serves them as they are. 0002 only added the sweep tables."""
+serves them as they are. 0003 changed the key, the software table and the results, so an
+older database must be opened once for writing (any ``autotune`` command does it)."""
 _NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -111,16 +112,17 @@ class Device(_Fingerprinted, Base):
 
 
 class Software(_Fingerprinted, Base):
+    """What changes the generated code; torch and CUDA are provenance, on each result."""
+
     __tablename__ = "ft_software"
 
-    torch: Mapped[str] = mapped_column(String(128))
     triton: Mapped[str] = mapped_column(String(128))
-    cuda: Mapped[str] = mapped_column(String(128))
+    ptxas: Mapped[str] = mapped_column(String(128))  # "": not recorded (flashtune <= 0.1)
     kernels_hash: Mapped[str] = mapped_column(String(128))
 
-    def info(self) -> SoftwareInfo:
-        return SoftwareInfo(torch=self.torch, triton=self.triton, cuda=self.cuda,
-                            kernels_hash=self.kernels_hash)
+    def info(self, torch: str, cuda: str) -> SoftwareInfo:
+        return SoftwareInfo(torch=torch, triton=self.triton, cuda=cuda,
+                            kernels_hash=self.kernels_hash, ptxas=self.ptxas)
 
 
 KEY_COLUMNS = tuple(ProblemKey.__dataclass_fields__)
@@ -141,6 +143,9 @@ class ProblemRow(Base):
     bh_bucket: Mapped[int] = mapped_column(Integer)
     sq_bucket: Mapped[int] = mapped_column(Integer)
     sk_bucket: Mapped[int] = mapped_column(Integer)
+    deterministic: Mapped[bool] = mapped_column(Boolean)
+    packed: Mapped[bool] = mapped_column(Boolean)
+    tokens_bucket: Mapped[int] = mapped_column(Integer)
 
     def key(self) -> ProblemKey:
         return ProblemKey(**{c: getattr(self, c) for c in KEY_COLUMNS})
@@ -166,6 +171,12 @@ class ResultRow(Base):
     host: Mapped[str] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(Timestamp)
     flashtune_version: Mapped[str] = mapped_column(String(64))
+    torch: Mapped[str] = mapped_column(String(128))  # provenance
+    cuda: Mapped[str] = mapped_column(String(128))  # provenance
+    origin: Mapped[str] = mapped_column(String(16))  # storage.ORIGINS
+    verify: Mapped[str] = mapped_column(String(16))  # storage.VERIFY_STATES
+    # ISO-8601 UTC text, parsed when read: one unreadable cell must cost its row only.
+    verified_at: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
     software: Mapped[Software] = relationship(lazy="joined", innerjoin=True)

@@ -52,6 +52,8 @@ def flops_range(key: ProblemKey) -> tuple[float, float]:
     for b in (key.bh_bucket, key.sq_bucket, key.sk_bucket):
         a, z = _bucket_range(b)
         lo, hi = lo * a, hi * z
+    if key.packed:  # only the longest sequence is sure to be that long: one of them, one head
+        lo /= _bucket_range(key.bh_bucket)[0]
     if key.causal:
         lo /= 2
     mult = 2.5 if key.direction == "bwd" else 1.0

@@ -23,6 +23,7 @@ import sqlite3
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
+from flashtune.db.fingerprint import UNRECORDED, DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
     READABLE_REVISIONS,
     SCHEMA_REVISION,
@@ -48,9 +49,14 @@ from flashtune.db.models import (
     ResultRow,
     Software,
 )
-from flashtune.db.storage import PREFER, Result, Storage
+from flashtune.db.storage import ORIGINS, PREFER, VERIFY_STATES, Result, Storage, written
 from flashtune.db.validation import check_miss, check_result, sort_key
-from flashtune.exceptions import DatabaseMissingError, SchemaError, StorageError
+from flashtune.exceptions import (
+    DatabaseMissingError,
+    SchemaError,
+    SchemaOutdatedError,
+    StorageError,
+)
 from flashtune.problem import Problem, ProblemKey
 
 if TYPE_CHECKING:  # alembic loads only when a database needs migrating (~0.2 s)
@@ -190,6 +196,14 @@ def _utc(t: datetime) -> datetime:
     return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
 
 
+def _iso_utc(text: Any) -> str:
+    """An ISO-8601 time with a zone, as UTC text; ValueError / TypeError otherwise."""
+    t = datetime.fromisoformat(text)
+    if t.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone")
+    return _utc(t).isoformat(timespec="microseconds")
+
+
 def _insert(session: Session, model: type[Base]) -> Any:
     """The dialect's INSERT, which has ``on_conflict_do_nothing``."""
     dialect = session.get_bind().dialect.name
@@ -215,6 +229,12 @@ def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[st
     got = session.scalar(find)
     assert got is not None
     return int(got)
+
+
+def _sqlite_foreign_keys(conn: Any, *, on: bool) -> None:
+    """Turn SQLite's foreign-key checks on or off; outside a transaction only (inside one
+    SQLite ignores it), so on the driver's connection, past SQLAlchemy's autobegin."""
+    conn.connection.dbapi_connection.execute(f"PRAGMA foreign_keys = {'ON' if on else 'OFF'}")
 
 
 class RDBStorage(Storage):
@@ -340,17 +360,34 @@ class RDBStorage(Storage):
                 f"{self._where}: schema revision {current!r} is newer than this flashtune "
                 f"knows (up to {SCHEMA_REVISION!r}); upgrade flashtune")
         if self.read_only:
-            what = "has no flashtune tables" if current is None else \
-                f"has schema revision {current!r}, older than {SCHEMA_REVISION!r}"
-            raise SchemaError(f"{self._where}: {what}; open it once for writing to upgrade")
+            if current is None:
+                raise SchemaError(f"{self._where}: has no flashtune tables")
+            raise SchemaOutdatedError(
+                f"{self._where}: has schema revision {current!r}, older than "
+                f"{SCHEMA_REVISION!r}; open it once for writing to upgrade (any autotune "
+                "command does, e.g. `autotune info --db ...`)")
         cfg = _alembic_config()
         with self._errors(), self.engine.connect() as conn:
             conn = conn.execution_options(**{WRITE_OPTION: True})
-            with conn.begin():
-                if conn.dialect.name == "postgresql":
-                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
-                cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+            sqlite = conn.dialect.name == "sqlite"
+            if sqlite:  # SQLite alters a table by copying it: no checks while it is away
+                _sqlite_foreign_keys(conn, on=False)
+            try:
+                with conn.begin():
+                    if conn.dialect.name == "postgresql":
+                        conn.exec_driver_sql(
+                            f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+                    cfg.attributes["connection"] = conn
+                    command.upgrade(cfg, "head")
+                    if sqlite:  # ... and every reference checked before the commit
+                        broken = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+                        if broken:
+                            raise SchemaError(f"{self._where}: the upgrade left {len(broken)} "
+                                              f"broken references (first: {broken[0]}); "
+                                              "nothing was changed")
+            finally:
+                if sqlite:
+                    _sqlite_foreign_keys(conn, on=True)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -365,9 +402,12 @@ class RDBStorage(Storage):
     def _check_parents(row: ResultRow | MissRow) -> None:
         """A device or software row whose fingerprint is not that of its own fields was
         edited behind flashtune's back: its results cannot be trusted to be what they say."""
-        parents = [("device", row.device), ("software", getattr(row, "software", None))]
-        for name, parent in parents:
-            if parent is not None and parent.fingerprint != parent.info().fingerprint:
+        software = getattr(row, "software", None)
+        parents = [("device", row.device, row.device.info())]
+        if software is not None:  # torch and cuda are provenance, not in the fingerprint
+            parents.append(("software", software, software.info("", "")))
+        for name, parent, info in parents:
+            if parent.fingerprint != info.fingerprint:
                 raise ValueError(f"the {name} row {parent.id} does not match its fingerprint "
                                  f"{str(parent.fingerprint)[:40]!r}")
 
@@ -378,18 +418,24 @@ class RDBStorage(Storage):
             self._check_parents(row)
             example = json.loads(row.example_json) if row.example_json else None
             r = Result(
-                device=row.device.info(), software=row.software.info(), key=row.problem.key(),
+                device=row.device.info(), software=row.software.info(row.torch, row.cuda),
+                key=row.problem.key(),
                 problem=Problem.from_dict(example) if example is not None else None,
                 config=json.loads(row.config_json), median_ms=row.median_ms,
                 p20_ms=row.p20_ms, p80_ms=row.p80_ms, tflops=row.tflops,
                 max_error=row.max_error, trials=row.trials,
                 search_seconds=row.search_seconds, host=row.host,
                 created_at=_utc(row.created_at).isoformat(timespec="microseconds"),
-                flashtune_version=row.flashtune_version)
+                flashtune_version=row.flashtune_version, origin=row.origin, verify=row.verify,
+                verified_at=None if row.verified_at is None else _iso_utc(row.verified_at))
             # Every column as an import would be checked: SQLite stores any value in any
             # column, and one bad cell ('fast' as a median) must cost its row, not the read.
             if not isinstance(r.config, dict):
                 raise ValueError(f"config is not an object: {row.config_json[:40]!r}")
+            if r.origin not in ORIGINS:
+                raise ValueError(f"origin {r.origin!r} is not one of {ORIGINS}")
+            if r.verify not in VERIFY_STATES:
+                raise ValueError(f"verify {r.verify!r} is not one of {VERIFY_STATES}")
             check_result(r)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
             self._skip("result", row.id, e)
@@ -403,15 +449,31 @@ class RDBStorage(Storage):
     @staticmethod
     def _select(device: DeviceInfo | None = None, software: SoftwareInfo | None = None,
                 key: ProblemKey | None = None) -> Any:
+        """Results of ``device``, fresh under ``software`` (its code fields), of ``key``."""
         stmt = select(ResultRow).join(ResultRow.device).join(ResultRow.software) \
             .join(ResultRow.problem)
         if device is not None:
             stmt = stmt.where(Device.fingerprint == device.fingerprint)
         if software is not None:
-            stmt = stmt.where(Software.fingerprint == software.fingerprint)
+            stmt = stmt.where(Software.triton == software.triton,
+                              Software.kernels_hash == software.kernels_hash)
+            if software.ptxas != UNRECORDED:
+                stmt = stmt.where(Software.ptxas.in_([software.ptxas, UNRECORDED]))
         if key is not None:
             stmt = stmt.filter_by(**key.as_dict())
         return stmt
+
+    def _fresh(self, device: DeviceInfo, software: SoftwareInfo, key: ProblemKey | None = None,
+               *, failed: bool = False) -> dict[ProblemKey, Result]:
+        """The fresh results by key, servable ones (or with ``failed``, failed ones); of
+        two for one key, the trusted, then the faster (see :class:`Storage`)."""
+        with self._session() as s:
+            found = self._results(s, self._select(device, software, key), software)
+        out: dict[ProblemKey, Result] = {}
+        for r in sorted(found, key=lambda r: (not r.trusted, r.median_ms)):
+            if r.servable != failed:
+                out.setdefault(r.key, r)
+        return out
 
     # -- writes -------------------------------------------------------------------------
 
@@ -421,7 +483,8 @@ class RDBStorage(Storage):
         dev = _row_id(s, Device, {"fingerprint": device.fingerprint},
                       {"fingerprint": device.fingerprint, **device.as_dict()}, c)
         sw = _row_id(s, Software, {"fingerprint": software.fingerprint},
-                     {"fingerprint": software.fingerprint, **software.as_dict()}, c)
+                     {"fingerprint": software.fingerprint, "triton": software.triton,
+                      "ptxas": software.ptxas, "kernels_hash": software.kernels_hash}, c)
         prob = _row_id(s, ProblemRow, key.as_dict(), key.as_dict(), c)
         return dev, sw, prob
 
@@ -436,7 +499,9 @@ class RDBStorage(Storage):
             "tflops": r.tflops, "max_error": r.max_error, "trials": r.trials,
             "search_seconds": r.search_seconds, "host": r.host,
             "created_at": datetime.fromisoformat(r.created_at),
-            "flashtune_version": r.flashtune_version,
+            "flashtune_version": r.flashtune_version, "torch": r.software.torch,
+            "cuda": r.software.cuda, "origin": r.origin, "verify": r.verify,
+            "verified_at": None if r.verified_at is None else _iso_utc(r.verified_at),
         }
         find = select(ResultRow).filter_by(**ids).with_for_update()
         row = s.scalars(find).one_or_none()
@@ -446,7 +511,14 @@ class RDBStorage(Storage):
             if done.rowcount:  # type: ignore[attr-defined]
                 return "added"
             row = s.scalars(find).one()  # a concurrent writer inserted it first
-        if prefer == "ours" or (prefer == "faster" and row.median_ms <= r.median_ms):
+        # A measurement made here replaces what no one here measured or verified, whatever
+        # it claimed; and under "faster" a claim no one here checked never replaces one
+        # that was: an import can neither block nor displace a real result.
+        stored_trusted = row.origin == "local" or row.verify == "passed"
+        if r.origin == "local" and not stored_trusted:
+            pass
+        elif prefer == "ours" or (prefer == "faster" and (
+                row.median_ms <= r.median_ms or (stored_trusted and not r.trusted))):
             return "kept"
         for name, value in values.items():
             setattr(row, name, value)
@@ -458,7 +530,9 @@ class RDBStorage(Storage):
             raise ValueError(f"prefer must be one of {PREFER}, got {prefer!r}")
         checked = [check_result(r) for r in results]
         with self._session(write=True) as s:
-            return [self._put(s, r, prefer) for r in checked]
+            outcomes = [self._put(s, r, prefer) for r in checked]
+        written(self.url, [r for r, o in zip(checked, outcomes, strict=True) if o != "kept"])
+        return outcomes
 
     def record_misses(self, device: DeviceInfo, software: SoftwareInfo,
                       misses: dict[ProblemKey, tuple[int, Problem]]) -> None:
@@ -478,20 +552,38 @@ class RDBStorage(Storage):
 
     def get_result(self, device: DeviceInfo, software: SoftwareInfo,
                    key: ProblemKey) -> Result | None:
-        with self._session() as s:
-            found = self._results(s, self._select(device, software, key), software)
-        return found[0] if found else None
+        return self._fresh(device, software, key).get(key)
 
     def load_table(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
-        with self._session() as s:
-            return {r.key: r for r in self._results(s, self._select(device, software), software)}
+        return self._fresh(device, software)
+
+    def failed(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
+        return self._fresh(device, software, failed=True)
+
+    def set_verify(self, result: Result, outcome: str, *, median_ms: float | None = None,
+                   p20_ms: float | None = None, p80_ms: float | None = None,
+                   max_error: float | None = None) -> None:
+        if outcome not in ("passed", "failed"):
+            raise ValueError(f"outcome must be 'passed' or 'failed', got {outcome!r}")
+        now = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+        r = replace(result, verify=outcome, verified_at=now)
+        if median_ms is not None and p20_ms is not None and p80_ms is not None:
+            flops = r.tflops * r.median_ms * 1e9  # the FLOPs the stored claim counts
+            r = replace(r, median_ms=median_ms, p20_ms=min(p20_ms, median_ms),
+                        p80_ms=max(p80_ms, median_ms), tflops=flops / (median_ms * 1e9))
+        if max_error is not None:
+            r = replace(r, max_error=max_error)
+        check_result(r)
+        with self._session(write=True) as s:
+            self._put(s, r, "theirs")
 
     def results(self, *, device: str | None = None, include_stale: bool = True,
                 software: SoftwareInfo | None = None) -> list[Result]:
         sw = software or software_info()
         with self._session() as s:
             found = self._results(s, self._select(software=None if include_stale else sw), sw)
-        return [r for r in found if device is None or r.device.matches(device)]
+        return [r for r in found if (device is None or r.device.matches(device))
+                and (include_stale or not r.stale)]
 
     def misses(self, device: str | None = None) -> list[tuple[ProblemKey, int, Problem]]:
         total: dict[ProblemKey, list[Any]] = {}

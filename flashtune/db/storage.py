@@ -8,24 +8,58 @@ from __future__ import annotations
 
 import abc
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from flashtune._version import __version__
-from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, stale_fields
 from flashtune.problem import Problem, ProblemKey
 
 PREFER = ("faster", "ours", "theirs")
+WriteListener = Callable[[str, "list[Result]"], None]
+_write_listeners: list[WriteListener] = []
+
+
+def on_write(listener: WriteListener) -> None:
+    """Call ``listener(url, results)`` after results were written to the database at ``url``
+    by this process (the dispatcher serves them from then on). Once per listener."""
+    if listener not in _write_listeners:
+        _write_listeners.append(listener)
+
+
+def written(url: str, results: list[Result]) -> None:
+    """Tell the listeners (:func:`on_write`) what a committed write stored. A listener
+    that fails is logged, never the writer's failure."""
+    if not results:
+        return
+    for listener in list(_write_listeners):
+        try:
+            listener(url, results)
+        except Exception:  # the write is done; a stale cache must not turn it into an error
+            import logging
+
+            logging.getLogger("flashtune.db").exception("write listener %r failed", listener)
+
+
+ORIGINS = ("local", "imported", "shipped", "unknown")
+"""Where a stored result comes from: measured by a tune writing to this database, an
+import, a copy of the shipped layer (written by ``autotune verify``), or a database of
+flashtune <= 0.1 (which did not record it)."""
+VERIFY_STATES = ("unverified", "passed", "failed")
+"""What ``autotune verify`` found when it re-gated the result: a failed one is never served."""
 
 
 @dataclass(frozen=True)
 class Result:
     """One tuned config for (device, software, problem key), with its measurements.
 
-    ``stale`` is True when ``software`` differs from the software fingerprint the
-    result was read against (by default the running process's :func:`software_info`).
+    ``stale`` is True when ``software`` differs in a code field (kernel sources, Triton,
+    ptxas: :func:`~flashtune.db.fingerprint.stale_fields`) from the software the result
+    was read against (by default the running process's :func:`software_info`).
+    ``origin`` is one of :data:`ORIGINS`; ``verify`` one of :data:`VERIFY_STATES`, with
+    ``verified_at`` the time of that outcome (None: never verified).
     """
 
     device: DeviceInfo
@@ -43,15 +77,31 @@ class Result:
     host: str
     created_at: str
     flashtune_version: str
+    # Where the result stands in the database that holds it, not its content: equality
+    # ignores these (an exported and re-imported result equals the original).
+    origin: str = field(default="local", compare=False)
+    verify: str = field(default="unverified", compare=False)
+    verified_at: str | None = field(default=None, compare=False)
     stale: bool = field(default=False, compare=False)
 
     @property
     def direction(self) -> str:
         return self.key.direction
 
+    @property
+    def trusted(self) -> bool:
+        """Measured into this database, or verified here: an import cannot displace it
+        without being faster (see :class:`Storage`, Writes)."""
+        return self.origin == "local" or self.verify == "passed"
+
+    @property
+    def servable(self) -> bool:
+        """Not failed by ``autotune verify`` (staleness aside)."""
+        return self.verify != "failed"
+
     def against(self, software: SoftwareInfo) -> Result:
         """This result with ``stale`` computed against ``software``."""
-        stale = self.software.fingerprint != software.fingerprint
+        stale = bool(stale_fields(self.software, software))
         return self if stale == self.stale else replace(self, stale=stale)
 
 
@@ -62,16 +112,24 @@ class Storage(abc.ABC):
     per triple. ``device`` and ``software`` are :class:`DeviceInfo` / :class:`SoftwareInfo`
     (rows are created on first use); ``key`` is a :class:`ProblemKey`.
 
-    Staleness. A result whose software fingerprint differs from the one it is read
-    against is *stale*: it is kept and counted (:meth:`counts`), returned by
-    :meth:`results` with ``stale=True`` and offered by :meth:`seeds`, but never returned
-    by :meth:`get_result` or :meth:`load_table`, which serve only fresh results.
+    Staleness. A result whose software differs in a code field (kernel sources, Triton,
+    ptxas; not torch or CUDA) from the software it is read against is *stale*: it is kept
+    and counted (:meth:`counts`), returned by :meth:`results` with ``stale=True`` and
+    offered by :meth:`seeds`, but never returned by :meth:`get_result` or
+    :meth:`load_table`, which serve only fresh results. Neither serves a result that
+    ``autotune verify`` failed (``verify == "failed"``). Where two fresh results hold one
+    key (a result of flashtune <= 0.1 without a ptxas version, and a newer one), the
+    trusted one (:attr:`Result.trusted`) wins, then the faster.
 
     Writes. Every write is one transaction: it all happens or none of it does, and
     concurrent writers (threads, processes, hosts on one PostgreSQL server) never see
     a half-written state. Conflicts on one triple are settled by ``prefer``:
     ``"faster"`` keeps the lower ``median_ms`` (ties keep the stored one), ``"ours"``
-    keeps the stored result, ``"theirs"`` takes the new one.
+    keeps the stored result, ``"theirs"`` takes the new one. Trust comes first: a result
+    measured here (``origin="local"``) replaces a stored result that is not trusted
+    (:attr:`Result.trusted`: imported, shipped or of unknown origin, and not verified
+    here), whatever that one claimed; and under ``"faster"`` an untrusted result never
+    replaces a trusted one. An import can neither block nor displace a measurement.
 
     Values. ``config`` must be a valid config of the key's direction (unknown fields
     or values outside a knob's choices raise ``ValueError``); it is stored in full,
@@ -94,7 +152,8 @@ class Storage(abc.ABC):
                    p80_ms: float, tflops: float, max_error: float, trials: int,
                    search_seconds: float, problem: Problem | None = None,
                    prefer: str = "faster") -> bool:
-        """Store one result (provenance: this host, now, this flashtune); True if written."""
+        """Store one result measured here (provenance: this host, now, this flashtune;
+        ``origin="local"``); True if written."""
         host, created_at, version = provenance()
         r = Result(device=device, software=software, key=key, problem=problem,
                    config=dict(config), median_ms=median_ms, p20_ms=p20_ms, p80_ms=p80_ms,
@@ -118,7 +177,21 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def load_table(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
-        """Every fresh result of ``device`` under ``software``, by key, in one query."""
+        """Every fresh, servable result of ``device`` under ``software``, by key, in one
+        query."""
+
+    @abc.abstractmethod
+    def failed(self, device: DeviceInfo, software: SoftwareInfo) -> dict[ProblemKey, Result]:
+        """The fresh results of ``device`` that ``autotune verify`` failed, by key (the
+        dispatcher also drops a shipped entry with the same config)."""
+
+    @abc.abstractmethod
+    def set_verify(self, result: Result, outcome: str, *, median_ms: float | None = None,
+                   p20_ms: float | None = None, p80_ms: float | None = None,
+                   max_error: float | None = None) -> None:
+        """Record ``autotune verify``'s outcome ("passed" or "failed") for ``result`` (by
+        its device, software and key), and on a pass the re-timed times and measured error.
+        A result not stored yet (a shipped one) is added with ``origin="shipped"``."""
 
     @abc.abstractmethod
     def results(self, *, device: str | None = None, include_stale: bool = True,
@@ -136,8 +209,8 @@ class Storage(abc.ABC):
         :meth:`ProblemKey.distance` (finite only; the exact key first, if present),
         ties broken by ``median_ms``."""
         table = self.load_table(device, software)
-        ranked = sorted((k.distance(key), r.median_ms, k, r) for k, r in table.items()
-                        if k.distance(key) != float("inf"))
+        ranked = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
+                         if k.distance(key) != float("inf")), key=lambda t: t[:3])
         return [r for *_, r in ranked[:n]]
 
     def seeds(self, device: DeviceInfo, key: ProblemKey, software: SoftwareInfo,

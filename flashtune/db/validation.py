@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,6 +42,13 @@ _ENTRY_FIELDS = frozenset(
     {"direction", "problem", "example", "config", "device", "software", "trials", "host",
      "created_at", "flashtune_version", *_FLOATS})
 _KEY_FIELDS = tuple(f.name for f in fields(ProblemKey) if f.name != "direction")
+# Key fields newer than the export format: an entry without them has their defaults
+# (a deterministic, dense problem), and an export leaves them out where they have them.
+_KEY_DEFAULTS = {f.name: f.default for f in fields(ProblemKey) if f.name != "direction"
+                 and f.default is not MISSING}
+_SOFTWARE_FIELDS = tuple(f.name for f in fields(SoftwareInfo))
+_SOFTWARE_DEFAULTS = {f.name: f.default for f in fields(SoftwareInfo)
+                      if f.default is not MISSING}
 _EXAMPLE_FIELDS = tuple(f.name for f in fields(Problem))
 
 
@@ -134,14 +141,29 @@ def _pow2(v: Any, name: str) -> int:
 def _key(direction: Any, d: Any) -> ProblemKey:
     if direction not in DIRECTIONS:
         raise Bad("direction", f"{show(direction)} is not allowed; allowed: fwd, bwd")
-    d = expect_object(d, "problem", _KEY_FIELDS, _KEY_FIELDS)
+    d = expect_object(d, "problem", _KEY_FIELDS,
+                      tuple(f for f in _KEY_FIELDS if f not in _KEY_DEFAULTS))
+    d = {**_KEY_DEFAULTS, **d}
     if d["dtype"] not in DTYPES:
         raise Bad("problem.dtype", f"{show(d['dtype'])} is not allowed; allowed: "
                    f"{', '.join(DTYPES)}")
     hd = _int(d["head_dim"], "problem.head_dim", 16, 256)
     if not head_dim_ok(hd):
         raise Bad("problem.head_dim", f"{hd} is not allowed; allowed: multiples of 8, 16 to 256")
+    det = _bool(d["deterministic"], "problem.deterministic")
+    if direction == "fwd" and not det:
+        raise Bad("problem.deterministic", "false is not allowed for a forward problem; "
+                  "allowed: true (the flag is the backward's)")
+    packed = _bool(d["packed"], "problem.packed")
+    if packed:
+        tokens = _pow2(d["tokens_bucket"], "problem.tokens_bucket")
+    elif d["tokens_bucket"] != 0 or isinstance(d["tokens_bucket"], bool):
+        raise Bad("problem.tokens_bucket", f"{show(d['tokens_bucket'])} is not allowed for a "
+                  "dense problem; allowed: 0 (packed: a power of two)")
+    else:
+        tokens = 0
     return ProblemKey(
+        deterministic=det, packed=packed, tokens_bucket=tokens,
         direction=direction, dtype=d["dtype"], head_dim=hd,
         causal=_bool(d["causal"], "problem.causal"), window=_bool(d["window"], "problem.window"),
         softcap=_bool(d["softcap"], "problem.softcap"),
@@ -218,8 +240,9 @@ def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
     """Validate one export entry and build its Result (raises ``Bad``)."""
     e = expect_object(e, "", _ENTRY_FIELDS, _ENTRY_FIELDS)
     key = _key(e["direction"], e["problem"])
-    sw = expect_object(e["software"], "software", ("torch", "triton", "cuda", "kernels_hash"),
-              ("torch", "triton", "cuda", "kernels_hash"))
+    sw = expect_object(e["software"], "software", _SOFTWARE_FIELDS,
+                       tuple(f for f in _SOFTWARE_FIELDS if f not in _SOFTWARE_DEFAULTS))
+    sw = {**_SOFTWARE_DEFAULTS, **sw}
     nums = {k: _num(e[k], k, hi) for k, hi in _FLOATS.items()}
     if not nums["p20_ms"] <= nums["median_ms"] <= nums["p80_ms"]:
         raise Bad("median_ms", f"p20 {nums['p20_ms']!r} <= median {nums['median_ms']!r} <= "
@@ -229,22 +252,28 @@ def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
         tflops=nums["tflops"], max_error=nums["max_error"],
         search_seconds=nums["search_seconds"],
         device=_device(e["device"]),
-        software=SoftwareInfo(**{k: _str(sw[k], f"software.{k}", 128) for k in sw}),
+        software=SoftwareInfo(**{k: _str(sw[k], f"software.{k}", 128, empty=k == "ptxas")
+                                 for k in sw}),
         key=key, problem=_example(e["example"], key), config=_config(key.direction, e["config"]),
         trials=_int(e["trials"], "trials", 0, _MAX_COUNT),
         host=_str(e["host"], "host", 256, empty=True), created_at=_created_at(e["created_at"]),
-        flashtune_version=_str(e["flashtune_version"], "flashtune_version", 64))
+        flashtune_version=_str(e["flashtune_version"], "flashtune_version", 64),
+        origin="imported")
     return r.against(software or software_info())
 
 
 def to_entry(r: Result) -> dict[str, Any]:
-    """The export entry of a result (no fingerprints, no staleness: pure content)."""
-    key = r.key.as_dict()
-    del key["direction"]
+    """The export entry of a result (no fingerprints, no staleness, no origin or verify
+    outcome, which belong to the database that holds it: pure content). Key and software
+    fields at their defaults are left out, so older exports keep their bytes."""
+    key = {k: v for k, v in r.key.as_dict().items()
+           if k != "direction" and not (k in _KEY_DEFAULTS and v == _KEY_DEFAULTS[k])}
+    software = {k: v for k, v in r.software.as_dict().items()
+                if not (k in _SOFTWARE_DEFAULTS and v == _SOFTWARE_DEFAULTS[k])}
     return {
         "direction": r.key.direction, "problem": key,
         "example": r.problem.as_dict() if r.problem is not None else None,
-        "config": dict(r.config), "device": r.device.as_dict(), "software": r.software.as_dict(),
+        "config": dict(r.config), "device": r.device.as_dict(), "software": software,
         "median_ms": r.median_ms, "p20_ms": r.p20_ms, "p80_ms": r.p80_ms, "tflops": r.tflops,
         "max_error": r.max_error, "trials": r.trials, "search_seconds": r.search_seconds,
         "host": r.host, "created_at": r.created_at, "flashtune_version": r.flashtune_version,
@@ -254,9 +283,10 @@ def to_entry(r: Result) -> dict[str, Any]:
 def check_result(r: Result) -> Result:
     """Validate a result built in Python the way an import is validated; ValueError if bad."""
     try:
-        return from_entry(to_entry(r), r.software)
+        checked = from_entry(to_entry(r), r.software)
     except Bad as e:
         raise ImportValidationError(f"{r.key.short()}: {e}") from None
+    return replace(checked, origin=r.origin, verify=r.verify, verified_at=r.verified_at)
 
 
 def check_miss(device: DeviceInfo, key: ProblemKey, count: Any, example: Any) -> Problem:

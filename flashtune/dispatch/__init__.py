@@ -1,8 +1,9 @@
 """The runtime dispatcher: which config runs each ``flashtune.flash_attention`` call.
 
-Importing this package installs :func:`resolve` as the kernels' config resolver (see
-:func:`flashtune.kernels.attention.set_config_resolver`); ``flashtune.flash_attention``
-imports it, ``flashtune.kernels.attention.flash_attention`` does not.
+:func:`install` makes :func:`resolve` the kernels' config resolver (see
+:func:`flashtune.kernels.attention.set_config_resolver`). Importing this package does not:
+the public names of :mod:`flashtune` (``flashtune.flash_attention`` and the others) call
+:func:`install` when they load, ``flashtune.kernels.attention.flash_attention`` does not.
 
 The ladder, per direction (fwd/bwd) and call:
 
@@ -15,6 +16,11 @@ The ladder, per direction (fwd/bwd) and call:
 
 Hot path. A dict keyed by a tuple of the tensors' shapes and flags holds the chosen
 config; only the first call of a shape builds a :class:`Problem` and walks the ladder.
+The kernels' per-signature plans (:mod:`flashtune.kernels._plans`) remember these
+decisions too, so whatever changes a decision forgets it in both places, no more:
+:func:`reload` (all of them, or one device's), a tuned result written by this process
+to the database a device's table reads (the decisions of that device and key family:
+the exact bucket and the nearest ones may change), and online tuning (likewise).
 The table is loaded once per process and device, on the first call (or
 :func:`preload`), never during CUDA-graph capture or ``torch.compile`` tracing: a
 first sight there is served from memory (heuristic default if no table is loaded yet,
@@ -46,25 +52,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashtune._env import flag
-from flashtune.db.fingerprint import DeviceInfo, device_info
-from flashtune.dispatch._distributed import records_misses, sync_table
+from flashtune.db.fingerprint import DeviceInfo, device_info, software_info
+from flashtune.db.storage import on_write
+from flashtune.dispatch._distributed import dist_group, records_misses, sync_table
 from flashtune.dispatch._misses import flush_misses, recorder
 from flashtune.dispatch._online import tune_on_miss
 from flashtune.dispatch._state import (
     Config,
     counters,
+    device_index,
     fast,
+    forget,
     in_graph,
     lock,
     missed,
     reload,
+    remember,
     stats,
     tables,
     tune_tried,
     warn_once,
 )
-from flashtune.dispatch._table import Choice, Table, load_table, log
+from flashtune.dispatch._table import Choice, Table, load_table, log, parse
 from flashtune.exceptions import DispatchMissError
+from flashtune.kernels import _plans
 from flashtune.kernels import attention as _attention
 from flashtune.kernels import varlen as _varlen
 from flashtune.kernels.attention import flash_attention, flash_attn_func
@@ -76,20 +87,23 @@ if TYPE_CHECKING:
     from flashtune.db.storage import Result
 
 __all__ = ["Choice", "Explanation", "explain", "preload", "reload", "flush_misses", "stats",
-           "resolve", "resolve_problem", "SOURCES", "flash_attention", "flash_attn_func",
-           "flash_attn_varlen_func"]
+           "resolve", "resolve_problem", "install", "SOURCES", "flash_attention",
+           "flash_attn_func", "flash_attn_varlen_func"]
 
 SOURCES = ("tuned", "nearest", "default")
 
 
 def resolve(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-            window: tuple[int, int], softcap: float) -> Config:
-    """The config for one call (the resolver the kernels call when no config is forced)."""
-    fk = (direction, q.shape, k.shape, q.dtype, q.get_device(), causal, window, softcap)
+            window: tuple[int, int], softcap: float, deterministic: bool = True) -> Config:
+    """The config for one call (the resolver the kernels call when no config is forced).
+    ``deterministic`` is the backward's kind, part of its key."""
+    fk = (direction, q.shape, k.shape, q.dtype, q.get_device(), causal, window, softcap,
+          deterministic)
     cfg = fast.get(fk)
     if cfg is not None:
         return cfg
-    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
+    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap,
+                                   deterministic=deterministic)
     return _first_sight(fk, direction, problem, q.device)
 
 
@@ -119,7 +133,7 @@ def _first_sight(fk: tuple[Any, ...], direction: str, problem: Problem,
         choice = table.choose(problem, direction)
         if choice.source != "tuned":
             choice = _on_miss(choice, problem, direction, table, graph)
-        fast[fk] = choice.config
+        remember(fk, choice.config, device_index(device), choice.key)
         return choice.config
 
 
@@ -131,7 +145,8 @@ def _on_miss(choice: Choice, problem: Problem, direction: str, table: Table,
         tune_tried.add(tag)
         tuned = tune_on_miss(problem, direction, table)
         if tuned is not None:
-            fast.clear()  # nearest choices of other shapes may now prefer the new entry
+            # Shapes of this family on this device may now prefer the new entry.
+            forget(device_index_of(table), key.family())
             return table.choose(problem, direction)
     if flag("FLASHTUNE_STRICT"):
         near = "" if choice.entry is None else \
@@ -152,8 +167,7 @@ def _on_miss(choice: Choice, problem: Problem, direction: str, table: Table,
 
 
 def table_for(device: torch.device, *, load: bool) -> Table | None:
-    index = -1 if device.type == "cpu" else (device.index if device.index is not None
-                                              else torch.cuda.current_device())
+    index = device_index(device)
     table = tables.get(index)
     if table is None and load:
         table = tables[index] = sync_table(load_table(device_info(device)))
@@ -165,7 +179,8 @@ class Explanation:
     """What the dispatcher does for one call (:func:`explain`)."""
 
     problem: Problem
-    key: ProblemKey  # the forward key; the backward key differs only in ``direction``
+    key: ProblemKey  # the forward key; the backward's (``bwd.key``) differs in ``direction``
+    # and, for a non-deterministic call, ``deterministic``
     source: str  # the weaker of the two directions' sources
     fwd: Choice
     bwd: Choice
@@ -214,16 +229,36 @@ class Explanation:
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Explanation:
+            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            deterministic: bool = True, cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None) -> Explanation:
     """What :func:`flashtune.flash_attention` would run for these inputs, and why.
 
     Returns the problem key, the forward and backward configs, ``source`` ("tuned",
     "nearest" or "default"; the weaker of the two directions) and the database entries
-    they came from. Launches nothing, records no miss, tunes nothing; it may load the
+    they came from. ``deterministic`` is the backward's kind, as in ``flash_attention``.
+    A packed batch is explained as :func:`flashtune.flash_attn_varlen_func` runs it: pass
+    its (total, H, D) tensors with ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q`` and
+    ``max_seqlen_k``. Launches nothing, records no miss, tunes nothing; it may load the
     device's table (as the first call would).
     """
-    _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
-    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap)
+    _attention.validate_deterministic(deterministic)
+    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if cu_seqlens_q is not None and cu_seqlens_k is not None and max_seqlen_q is not None \
+            and max_seqlen_k is not None:
+        _varlen.validate_varlen(q, k, v, *packed)
+        _, window, cap = _attention.validate_options(
+            q.shape[2], causal, None, window_size, softcap, max_seqlen_q, max_seqlen_k)
+        problem = _varlen.varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                         causal, window, cap, deterministic)
+    elif any(a is not None for a in packed):
+        raise ValueError("a packed batch needs all of cu_seqlens_q, cu_seqlens_k, "
+                         "max_seqlen_q and max_seqlen_k; a dense one none of them")
+    else:
+        _, window, cap = _attention.validate(q, k, v, causal, None, window_size, softcap)
+        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
+                                       deterministic=deterministic)
     with lock:
         table = table_for(q.device, load=True)
         assert table is not None
@@ -249,11 +284,41 @@ def preload(device: Any = None) -> dict[str, Any]:
             "database": table.database, "error": table.error}
 
 
+def device_index_of(table: Table) -> int | None:
+    for index, t in tables.items():
+        if t is table:
+            return index
+    return None
+
+
+def results_written(url: str, results: list[Result]) -> None:
+    """A write to the tuning database by this process (:func:`flashtune.db.storage.on_write`):
+    each fresh result for a device whose table reads that database joins the table, and the
+    decisions it may change (that device, that key family) are forgotten. Under
+    torch.distributed the tables are rank 0's and stay as they are until :func:`reload`."""
+    if dist_group() is not None:
+        return
+    sw = software_info()
+    with lock:
+        for index, table in list(tables.items()):
+            if table.database != url:
+                continue
+            for r in results:
+                if r.device.fingerprint != table.device.fingerprint or \
+                        r.software.fingerprint != sw.fingerprint:
+                    continue
+                entry = parse(r, "user")
+                if entry is not None:
+                    table.add(entry)
+                    forget(index, r.key.family())
+
+
 def install() -> None:
-    """Make :func:`resolve` and :func:`resolve_problem` the kernels' config resolvers (done
-    when this package loads)."""
-    _attention.set_config_resolver(resolve)
-    _varlen.set_varlen_resolver(resolve_problem)
-
-
-install()
+    """Make :func:`resolve` and :func:`resolve_problem` the kernels' config resolvers, and
+    keep the tables in step with what this process writes to the database. Idempotent;
+    the public names of :mod:`flashtune` call it when they load."""
+    if _attention.get_config_resolver() is not resolve:
+        _attention.set_config_resolver(resolve)
+    if _plans.resolvers()[1] is not resolve_problem:
+        _varlen.set_varlen_resolver(resolve_problem)
+    on_write(results_written)

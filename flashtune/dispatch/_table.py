@@ -108,7 +108,11 @@ def load_table(device: DeviceInfo) -> Table:
     except Exception as e:  # the shipped layer is optional; never fatal
         warn_once("shipped", f"flashtune: cannot read the shipped tuning data ({e}); "
                    "ignoring it")
-    url, user, error = read_user(device, sw)
+    url, user, failed, error = read_user(device, sw)
+    for key, r in failed.items():  # `autotune verify` failed this config here: never serve it
+        shipped = entries.get(key)
+        if shipped is not None and dict(shipped.result.config) == dict(r.config):
+            del entries[key]
     index(entries, ((r, "user") for r in user.values()))  # over the shipped layer
     return Table(device, entries, url, error)
 
@@ -120,9 +124,10 @@ def index(entries: dict[ProblemKey, Entry], results: Iterable[tuple[Result, str]
             entries[r.key] = parsed
 
 
-def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemKey, Result],
-                                                                  str | None]:
-    """(database, its fresh results for ``device``, the error that made it unusable)."""
+def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[
+        str, dict[ProblemKey, Result], dict[ProblemKey, Result], str | None]:
+    """(database, its fresh servable results for ``device``, its fresh results that
+    ``autotune verify`` failed, the error that made it unusable)."""
     from flashtune.db import resolve_url
 
     url = database_url()
@@ -130,7 +135,7 @@ def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemKe
     counters["db_reads"] += 1
     try:
         from flashtune.db import open_storage
-        from flashtune.exceptions import DatabaseMissingError
+        from flashtune.exceptions import DatabaseMissingError, SchemaOutdatedError
 
         try:
             # A locked database must not stall a training step for SQLite's 30 s default.
@@ -138,14 +143,20 @@ def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[str, dict[ProblemKe
         except DatabaseMissingError as e:
             if url is None:  # no database yet at the default place: the normal first run
                 log.info("flashtune: %s; using the shipped configs and heuristics", e)
-                return where, {}, None
+                return where, {}, {}, None
             raise
+        except SchemaOutdatedError:
+            # A database of an older flashtune: upgrade it once (one locked transaction,
+            # the same as any autotune command's open), so that an upgrade loses no results.
+            log.info("flashtune: upgrading the tuning database %s to this schema", where)
+            open_storage(url, busy_timeout=READ_BUSY_TIMEOUT_S).close()
+            storage = open_storage(url, read_only=True, busy_timeout=READ_BUSY_TIMEOUT_S)
         try:
-            return where, storage.load_table(device, sw), None
+            return where, storage.load_table(device, sw), storage.failed(device, sw), None
         finally:
             storage.close()
     except Exception as e:  # StorageError, or anything a broken install throws: never fatal
         what = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
         warn_once(f"db:{where}", f"flashtune: cannot use the tuning database ({what}); "
                    "using the shipped configs and heuristics. Training goes on.")
-        return where, {}, what
+        return where, {}, {}, what

@@ -54,7 +54,9 @@ def register(name: str = NAME) -> None:
     if "flash" in name:
         raise ValueError(f"name {name!r} contains 'flash': transformers would try to import a "
                          "flash-attn package for it when a model is built; choose another name")
-    import flashtune.dispatch  # noqa: F401  (installs the tuned-config resolver)
+    import flashtune.dispatch
+
+    flashtune.dispatch.install()  # the tuned configs
 
     try:
         from transformers import AttentionInterface
@@ -176,8 +178,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None and sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     cap = float(softcap) if softcap else 0.0
+    # transformers passes flash-attn's ``deterministic`` through its kwargs; flashtune's
+    # default is deterministic gradients.
+    deterministic = bool(kwargs.get("deterministic", True))
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=scaling, window_size=window,
-                              softcap=cap)
+                              softcap=cap, deterministic=deterministic)
 
     why = _kernel_can_run(query)
     if why is None and dropout > 0.0:

@@ -2,30 +2,29 @@
 ``torch.library`` custom ops (with fake implementations, so ``torch.compile`` sees
 through them), and the typed public function.
 
-Config selection happens *inside* the ops, at run time, through a resolver hook:
-by default the heuristic defaults; the dispatcher installs its own lookup. That
-keeps database code out of traced graphs and out of this package.
+Config selection happens *inside* the ops and launches, at run time, through a resolver
+hook: by default the heuristic defaults; :func:`flashtune.dispatch.install` installs the
+dispatcher's lookup. That keeps database code out of traced graphs and out of this
+package. Per-call work is cached by the call's signature (:mod:`flashtune.kernels._plans`);
+the autograd wiring is :mod:`flashtune.kernels._autograd`, shared with the packed path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from flashtune._env import dtype_name, interpreting, torch_dtype
-from flashtune.kernels.attn_bwd import attn_bwd
-from flashtune.kernels.attn_fwd import attn_fwd
+from flashtune._env import interpreting, torch_dtype
+from flashtune.kernels import _autograd, _plans
+from flashtune.kernels._plans import Plan, Resolver, caches, heuristic_resolver, remember
 from flashtune.kernels.config import (
     BwdConfig,
     FwdConfig,
     check_bwd,
     check_fwd,
-    default_bwd,
-    default_fwd,
     validate_config,
 )
 from flashtune.problem import (
@@ -39,33 +38,24 @@ from flashtune.problem import (
     head_dim_ok,
 )
 
+__all__ = ["flash_attention", "flash_attn_func", "set_config_resolver", "get_config_resolver",
+           "heuristic_resolver", "validate", "check_tensors"]
+
 _DTYPES = tuple(torch_dtype(name) for name in DTYPES)  # fp16, bf16
 _INTERPRET = interpreting()
 # The kernels scale q.k in fp32: |q.k| stays below 65504**2 * 256 ~ 1.1e12 for fp16 inputs,
 # so a scale up to 1e20 keeps every score finite (fp32 ends at 3.4e38).
 _MAX_SCALE = 1e20
 
-Resolver = Callable[[str, torch.Tensor, torch.Tensor, bool, tuple[int, int], float],
-                    "FwdConfig | BwdConfig"]
-
-
-def heuristic_resolver(direction: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-                       window: tuple[int, int], softcap: float) -> FwdConfig | BwdConfig:
-    p = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap)
-    return default_fwd(p) if direction == "fwd" else default_bwd(p)
-
-
-_resolver: Resolver = heuristic_resolver
-
 
 def set_config_resolver(fn: Resolver | None) -> None:
-    """Install the function that picks a config when the caller forces none (None resets)."""
-    global _resolver
-    _resolver = fn if fn is not None else heuristic_resolver
+    """Install the function that picks a config when the caller forces none (None resets
+    to the heuristic). Every remembered decision is forgotten."""
+    _plans.set_resolvers(fn, _plans.resolvers()[1])
 
 
 def get_config_resolver() -> Resolver:
-    return _resolver
+    return _plans.resolvers()[0]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -183,30 +173,27 @@ def _encode(cfg: FwdConfig | BwdConfig | None) -> list[int]:
     return [] if cfg is None else [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
 
 
-def _fwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                window: tuple[int, int], softcap: float) -> FwdConfig:
-    if enc:
-        return FwdConfig(*enc)
-    cfg = _resolver("fwd", q, k, causal, window, softcap)
-    assert isinstance(cfg, FwdConfig)
-    return cfg
-
-
-def _bwd_config(enc: Sequence[int], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                window: tuple[int, int], softcap: float) -> BwdConfig:
-    if enc:
-        return BwdConfig(*enc)
-    cfg = _resolver("bwd", q, k, causal, window, softcap)
-    assert isinstance(cfg, BwdConfig)
-    return cfg
+def op_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            window: tuple[int, int], softcap: float, deterministic: bool,
+            fwd_enc: Sequence[int], bwd_enc: Sequence[int]) -> Plan:
+    """The plan of a custom-op call (arguments already normalised), cached by signature."""
+    cache = caches["op"]
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+           causal, scale, window, softcap, deterministic, tuple(fwd_enc), tuple(bwd_enc))
+    plan = cache.get(key)
+    if plan is None:
+        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=softcap,
+                                       deterministic=deterministic)
+        plan = remember(cache, key, Plan(
+            problem, q.device, causal, scale, window, softcap, deterministic,
+            FwdConfig(*fwd_enc) if fwd_enc else None, BwdConfig(*bwd_enc) if bwd_enc else None))
+    return plan
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
               window: tuple[int, int], softcap: float, enc: Sequence[int],
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = _fwd_config(enc, q, k, causal, window, softcap)
-    return attn_fwd(q, k, v, causal=causal, sm_scale=scale, window=window, softcap=softcap,
-                    config=cfg)
+    return op_plan(q, k, v, causal, scale, window, softcap, True, enc, ()).forward(q, k, v)
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -214,11 +201,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               window: tuple[int, int], softcap: float, enc: Sequence[int],
               deterministic: bool = True,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is carried for backward variants to come: today's backward is
-    # deterministic either way (no atomics; GQA groups summed in a fixed order).
-    cfg = _bwd_config(enc, q, k, causal, window, softcap)
-    return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
-                    softcap=softcap, config=cfg)
+    # ``deterministic`` picks the backward's config (and refuses free-order dQ variants).
+    plan = op_plan(q, k, v, causal, scale, window, softcap, deterministic, (), enc)
+    return plan.backward(do, q, k, v, o, lse)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -255,76 +240,65 @@ def _(do, q, k, v, o, lse, causal, scale, window_left, window_right, softcap, de
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# The one autograd wiring, shared by the custom op (torch.compile) and the eager Function
-# below: what the forward saves, and how the backward turns it into dq, dk, dv.
-
-
-def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-          lse: torch.Tensor, causal: bool, scale: float, window: tuple[int, int],
-          softcap: float, deterministic: bool, bwd_enc: Sequence[int]) -> None:
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (causal, scale, window, softcap, deterministic, bwd_enc)
-    ctx.mark_non_differentiable(lse)
-
-
-def _grads(ctx: Any, do: torch.Tensor, op: bool) -> tuple[torch.Tensor, ...]:
-    q, k, v, o, lse = ctx.saved_tensors
-    causal, scale, window, softcap, deterministic, bwd_enc = ctx.args
-    if op:  # stay inside the op graph under torch.compile
-        return tuple(attn_bwd_op(do, q, k, v, o, lse, causal, scale, window[0], window[1],
-                                 softcap, deterministic, bwd_enc))
-    return _bwd_impl(do, q, k, v, o, lse, causal, scale, window, softcap, bwd_enc,
-                     deterministic)
-
-
-def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, wl, wr, softcap, deterministic, _fwd_cfg, bwd_cfg = inputs
-    o, lse = output
-    _save(ctx, q, k, v, o, lse, causal, scale, (wl, wr), softcap, deterministic, bwd_cfg)
-
-
-def _op_backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-    return (*_grads(ctx, do, op=True), None, None, None, None, None, None, None, None)
-
-
-attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
-
-
-# ----------------------------------------------------------------------------- eager path
-
-
-class FlashAttnFunc(torch.autograd.Function):
-    """Eager autograd path: calls the launchers directly (no op-dispatch overhead)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float, window: tuple[int, int], softcap: float, deterministic: bool,
-                fwd_enc: list[int], bwd_enc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _fwd_impl(q, k, v, causal, scale, window, softcap, fwd_enc)
-        _save(ctx, q, k, v, o, lse, causal, scale, window, softcap, deterministic, bwd_enc)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        return (*_grads(ctx, do, op=False), None, None, None, None, None, None, None)
+_autograd.register(attn_fwd_op, attn_bwd_op)
 
 
 # ----------------------------------------------------------------------------- public
 
 
-@functools.lru_cache(maxsize=4096)
-def _check_forced(fwd_cfg: FwdConfig | None, bwd_cfg: BwdConfig | None, q_shape: tuple[int, ...],
-                  k_shape: tuple[int, ...], dtype: torch.dtype, causal: bool,
-                  window: tuple[int, int], softcap: float) -> None:
-    """Feasibility of a forced config, checked once per (config, shape) and then cached."""
-    b, hq, sq, d = q_shape
-    p = Problem(batch=b, heads_q=hq, heads_kv=k_shape[1], seqlen_q=sq, seqlen_k=k_shape[2],
-                head_dim=d, dtype=dtype_name(dtype), causal=causal,
-                window=window, softcap=softcap)
+def forced_configs(config: Any, problem: Problem) -> tuple[FwdConfig | None, BwdConfig | None]:
+    """The forward and backward configs ``config`` forces (None: resolve), each checked
+    for validity and for feasibility on ``problem``."""
+    fwd_cfg, bwd_cfg = split_config(config)
+    for cfg in (fwd_cfg, bwd_cfg):
+        if cfg is not None:
+            validate_config(cfg)
     if fwd_cfg is not None:
-        check_fwd(fwd_cfg, p)
+        check_fwd(fwd_cfg, problem)
     if bwd_cfg is not None:
-        check_bwd(bwd_cfg, p)
+        check_bwd(bwd_cfg, problem)
+    return fwd_cfg, bwd_cfg
+
+
+def _same_config(plan: Plan, config: Any) -> bool:
+    """Whether a plan made for an equal ``config`` serves this one: the same object, or an
+    equal one whose fields pass validation (``64.0 == 64`` to a dict, not to the kernels)."""
+    if config is None or plan.config is config:
+        return True
+    for cfg in split_config(config):
+        if cfg is not None:
+            validate_config(cfg)
+    return True
+
+
+def call_plan(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, window_size: Any,
+              softcap: Any, deterministic: Any, config: Any) -> Plan:
+    """The plan of a :func:`flash_attention` call, cached by its signature: validation,
+    normalisation, forced-config checks and the problem run on first sight only."""
+    cache = caches["call"]
+    try:
+        key: Any = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, causal, softmax_scale, window_size, softcap,
+            deterministic, config, type(q), type(k), type(v), type(causal), type(softmax_scale),
+            type(window_size), type(window_size[0]), type(window_size[1]), type(softcap),
+            type(deterministic))
+        plan = cache.get(key)
+    except Exception:  # not tensors, or arguments that cannot key a dict: validate in full
+        key = plan = None
+    if plan is not None and _same_config(plan, config):
+        return plan
+    scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
+    validate_deterministic(deterministic)
+    problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
+                                   deterministic=deterministic)
+    fwd_cfg, bwd_cfg = forced_configs(config, problem)
+    return remember(cache, key, Plan(problem, q.device, causal, scale, window, cap,
+                                     deterministic, fwd_cfg, bwd_cfg, config=config))
+
+
+def needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -340,32 +314,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     ``softcap * tanh(s / softcap)`` to the scores. Returns the output (q's shape and
     dtype), plus the natural-log LSE (B, Hq, Sq) fp32 with ``return_lse=True``.
     ``config`` forces a forward and/or backward config; otherwise the installed
-    resolver (the dispatcher, or the heuristic default) chooses. The backward is
-    deterministic whatever ``deterministic`` says (it is accepted, and carried to the
-    backward, for flash-attn compatibility; faster variants with a free dQ order may later
-    serve ``False``).
+    resolver (the dispatcher, or the heuristic default) chooses. ``deterministic=True``
+    (the default) gives bit-identical gradients; ``False`` also allows backward variants
+    whose dQ summation order is not fixed (a forced ``BwdConfig(variant=1)`` needs it).
 
     The layout is PyTorch SDPA's: heads before sequence. For flash-attn's (B, S, H, D)
     tensors use :func:`flash_attn_func`, or pass ``x.transpose(1, 2)`` (no copy).
     """
-    scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
-    validate_deterministic(deterministic)
-    fwd_cfg, bwd_cfg = split_config(config)
-    if fwd_cfg is not None or bwd_cfg is not None:
-        for cfg in (fwd_cfg, bwd_cfg):
-            if cfg is not None:
-                validate_config(cfg)
-        _check_forced(fwd_cfg, bwd_cfg, tuple(q.shape), tuple(k.shape), q.dtype, causal, window,
-                      cap)
-    fwd_enc, bwd_enc = _encode(fwd_cfg), _encode(bwd_cfg)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the custom op, which the graph keeps
+        scale, window, cap = validate(q, k, v, causal, softmax_scale, window_size, softcap)
+        validate_deterministic(deterministic)
+        problem = Problem.from_tensors(q, k, causal=causal, window_size=window, softcap=cap,
+                                       deterministic=deterministic)
+        fwd_cfg, bwd_cfg = forced_configs(config, problem)
         o, lse = attn_fwd_op(q, k, v, causal, scale, window[0], window[1], cap, deterministic,
-                             fwd_enc, bwd_enc)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = FlashAttnFunc.apply(q, k, v, causal, scale, window, cap, deterministic,
-                                     fwd_enc, bwd_enc)
+                             _encode(fwd_cfg), _encode(bwd_cfg))
     else:
-        o, lse = _fwd_impl(q, k, v, causal, scale, window, cap, fwd_enc)
+        plan = call_plan(q, k, v, causal, softmax_scale, window_size, softcap, deterministic,
+                         config)
+        if needs_grad(q, k, v):
+            o, lse = _autograd.Attention.apply(plan, q, k, v)
+        else:
+            o, lse = plan.forward(q, k, v)
     return (o, lse) if return_lse else o
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range, _tanh, _visible
 from flashtune.kernels.config import HOPPER, FwdConfig, padded_head_dim
 
@@ -255,6 +256,77 @@ def problem_dims(q: torch.Tensor, k: torch.Tensor, packed: Packed | None,
     return packed.batch, q.shape[1], k.shape[1], q.shape[0], k.shape[0], q.shape[2]
 
 
+class FwdLaunch:
+    """The forward for one call signature (shapes, strides, dtype, device, flags, config),
+    prepared once: the variant and its fallback, the grid, every scalar and constexpr, and
+    the bound kernel. Built from tensors whose data are 16-byte aligned, it serves every
+    call of that signature whose data are too; calling it allocates O and the LSE and
+    launches (see :func:`attn_fwd` for the layouts)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 sm_scale: float, window: tuple[int, int], softcap: float, config: FwdConfig,
+                 packed: Packed | None = None) -> None:
+        self.config = config  # the config that runs (the portable fallback's, if it came to that)
+        self.hopper: Any = None
+        self.descriptors: tuple[Any, Any] | None = None
+        if config.variant == HOPPER:
+            reason = "packed (varlen) batches" if packed is not None else ""
+            if not reason:
+                from flashtune.kernels import attn_fwd_hopper as hopper
+
+                reason = hopper.tma_describable(q, k, v)
+                if not reason:
+                    self.hopper = hopper.HopperLaunch(
+                        q, k, v, mask=mask_params(causal, window),
+                        scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
+                    return
+            # What the Hopper kernel cannot take, the portable kernel's default serves.
+            _warn_portable_once(reason)
+            config = self.config = _portable_fallback(q, k, causal, window, softcap, packed)
+        b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+        self.lse_shape = (b, hq, sq) if packed is None else (hq, sq)
+        o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
+        left, right, mask_left, mask_right = mask_params(causal, window)
+        qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
+        c = config
+        use_tma = bool(c.use_tma) and packed is None and tma_ok(k, v)
+        if use_tma:
+            kd, vd = kv_descriptors(k, v, c.block_n)
+            self.descriptors = (template(kd), template(vd))
+        grid = (triton.cdiv(max(sq if packed is None else packed.max_q, 1), c.block_m), b * hq)
+        # Slots 0-8 (q, k, v, o, lse, K/V or their descriptors, the prefix sums) change
+        # from call to call; the rest is fixed.
+        args = [None] * 9 + [
+            *kernel_strides(q, packed), *kernel_strides(k, packed), *kernel_strides(v, packed),
+            *kernel_strides(o, packed),
+            hq, sq, sk, left, right,
+            qk_scale, cap_scale, cap_log2]
+        kwargs = dict(
+            GQA=hq // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d),
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, USE_TMA=use_tma,
+            IS_VARLEN=packed is not None,
+            **launch_options(c.num_warps, c.num_stages, c.maxnreg))
+        self.launch = BoundLaunch(_attn_fwd_kernel, grid, args, kwargs, 9)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hopper is not None:
+            return self.hopper(q, k, v)
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        if self.descriptors is not None:
+            td, tv = self.descriptors
+            kd, vd = descriptor_like(td, k), descriptor_like(tv, v)
+        else:
+            kd, vd = k, v
+        if cu_q is None:
+            cu_q = cu_k = q  # dense: unused pointers
+        self.launch(q, k, v, o, lse, kd, vd, cu_q, cu_k)
+        return o, lse
+
+
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
              sm_scale: float, window: tuple[int, int], softcap: float,
              config: FwdConfig, packed: Packed | None = None,
@@ -263,45 +335,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
 
     Returns ``o`` (q's shape, dtype and memory layout) and ``lse`` ((B, Hq, Sq) fp32, natural
     log). With ``packed``, q is (total_q, Hq, D), k and v (total_k, Hkv, D), and the LSE is
-    (Hq, total_q).
+    (Hq, total_q). Prepares the launch for this one call: the hot path keeps a
+    :class:`FwdLaunch` per call signature instead (``flashtune.kernels._calls``).
     """
-    if config.variant == HOPPER:
-        reason = "packed (varlen) batches" if packed is not None else ""
-        if not reason:
-            from flashtune.kernels import attn_fwd_hopper as hopper
-
-            reason = hopper.tma_describable(q, k, v)
-            if not reason:
-                return hopper.attn_fwd_hopper(
-                    q, k, v, sm_scale=sm_scale, mask=mask_params(causal, window),
-                    scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
-        # What the Hopper kernel cannot take, the portable kernel's default serves.
-        _warn_portable_once(reason)
-        config = _portable_fallback(q, k, causal, window, softcap, packed)
-    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
-    o = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq) if packed is None else (hq, sq), device=q.device,
-                      dtype=torch.float32)
-    left, right, mask_left, mask_right = mask_params(causal, window)
-    qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
-    c = config
-    use_tma = bool(c.use_tma) and packed is None and tma_ok(k, v)
-    kd, vd = (kv_descriptors(k, v, c.block_n) if use_tma else (k, v))
-    cu_q, cu_k = (q, q) if packed is None else (packed.cu_q, packed.cu_k)
-    grid = (triton.cdiv(max(sq if packed is None else packed.max_q, 1), c.block_m), b * hq)
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse, kd, vd, cu_q, cu_k,
-        *kernel_strides(q, packed), *kernel_strides(k, packed), *kernel_strides(v, packed),
-        *kernel_strides(o, packed),
-        hq, sq, sk, left, right,
-        qk_scale, cap_scale, cap_log2,
-        GQA=hq // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d),
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, USE_TMA=use_tma,
-        IS_VARLEN=packed is not None,
-        **launch_options(c.num_warps, c.num_stages, c.maxnreg),
-    )
-    return o, lse
+    launch = FwdLaunch(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
+                       softcap=softcap, config=config, packed=packed)
+    if packed is None:
+        return launch(q, k, v)
+    return launch(q, k, v, packed.cu_q, packed.cu_k)
 
 
 def _portable_fallback(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],

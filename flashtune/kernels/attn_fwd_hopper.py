@@ -38,12 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range
 from flashtune.kernels._masking import _tanh as _portable_tanh
 from flashtune.kernels.config import FwdConfig
 
 ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 # The portable kernels' scalar and elementwise helpers, compiled as Gluon: one copy of the
@@ -355,10 +356,12 @@ def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> Any:
-    d = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
-                            _smem_layout(rows, d, t.dtype))
+def _descriptor(t: torch.Tensor, rows: int, cols: int = 0) -> Any:
+    """A rank-4 TMA descriptor over ``t`` whose box is ``rows`` rows of one head, ``cols``
+    wide (default: the whole head dim)."""
+    cols = cols or t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols],
+                            _smem_layout(rows, cols, t.dtype))
 
 
 @functools.lru_cache(maxsize=16)
@@ -366,31 +369,56 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+class HopperLaunch:
+    """The Gluon forward for one call signature, prepared once: the grid, the scalars and
+    constexprs, descriptor templates and the bound kernel (``flashtune.kernels._bound``, the
+    mechanism the portable kernels use). ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT)
+    and ``scales`` (qk_scale, cap_scale, cap_log2), as the portable launcher computes them.
+    The caller has checked feasibility and that TMA can describe q, k, v; calling it with
+    tensors of the same signature and 16-byte aligned data allocates O and the LSE and
+    launches."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
+                 softcap: float, config: FwdConfig) -> None:
+        b, hq, sq, d = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        self.lse_shape = (b, hq, sq)
+        o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
+        left, right, mask_left, mask_right = mask
+        qk_scale, cap_scale, cap_log2 = scales
+        c = config
+        consumers = c.block_m // ROWS_PER_WG
+        n_m = -(-sq // c.block_m)
+        n_tiles = n_m * b * hq
+        grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
+        self.templates = (template(_descriptor(q, ROWS_PER_WG)),
+                          template(_descriptor(k, c.block_n)), template(_descriptor(v, c.block_n)))
+        # Slots 0-4 (the q, k, v descriptors, o, lse) change from call to call.
+        args = [None] * 5 + [o.stride(0), o.stride(1), o.stride(2),
+                             hq, sq, sk, left, right, n_m, n_tiles,
+                             qk_scale, cap_scale, cap_log2]
+        kwargs = dict(
+            GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
+            ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
+            MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
+            num_warps=4)
+        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 5)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        tq, tk, tv = self.templates
+        self.launch(descriptor_like(tq, q), descriptor_like(tk, k), descriptor_like(tv, v),
+                    o, lse)
+        return o, lse
+
+
 def attn_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
                     mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
                     softcap: float, config: FwdConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the Gluon forward. ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and
-    ``scales`` (qk_scale, cap_scale, cap_log2), as the portable launcher computes them.
-    The caller has checked feasibility and that TMA can describe q, k, v."""
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    left, right, mask_left, mask_right = mask
-    qk_scale, cap_scale, cap_log2 = scales
-    c = config
-    consumers = c.block_m // ROWS_PER_WG
-    n_m = -(-sq // c.block_m)
-    n_tiles = n_m * b * hq
-    grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
-    _attn_fwd_hopper_kernel[(grid_size,)](
-        _descriptor(q, ROWS_PER_WG), _descriptor(k, c.block_n), _descriptor(v, c.block_n),
-        o, lse, o.stride(0), o.stride(1), o.stride(2),
-        hq, sq, sk, left, right, n_m, n_tiles,
-        qk_scale, cap_scale, cap_log2,
-        GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
-        ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
-        MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
-        num_warps=4,
-    )
-    return o, lse
+    """Launch the Gluon forward once (see :class:`HopperLaunch`; ``sm_scale`` is folded
+    into ``scales``)."""
+    return HopperLaunch(q, k, v, mask=mask, scales=scales, softcap=softcap, config=config)(
+        q, k, v)

@@ -63,6 +63,16 @@ def knob(default: Any, choices: tuple[Any, ...], doc: str, part: str | None = No
 
 _P, _H = (PORTABLE,), (HOPPER,)
 
+# Backward kernel families (BwdConfig.variant).
+BWD_TWO_KERNEL = 0  # dK/dV kernel + a dQ kernel that recomputes: 7 products, deterministic
+BWD_ATOMIC = 1  # dQ added with atomics inside the dK/dV kernel: 5 products, no fixed order
+BWD_ONE_LAUNCH = 2  # the programs of variant 0 in one grid, as FlexAttention: deterministic
+BWD_HOPPER = 3  # FA3-style Gluon backward for sm90 (kernels/attn_bwd_hopper.py)
+BWD_VARIANT_NAMES = {BWD_TWO_KERNEL: "portable", BWD_ATOMIC: "portable-atomic",
+                     BWD_ONE_LAUNCH: "portable-one-launch", BWD_HOPPER: "hopper"}
+_BP = (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)
+_BH = (BWD_HOPPER,)
+
 
 @dataclass(frozen=True)
 class FwdConfig:
@@ -97,19 +107,56 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Backward: a dK/dV kernel (keys held, loop over queries) and a dQ kernel (queries held,
-    loop over keys), each with its own tile and launch knobs, plus the delta preprocess."""
+    """Backward: the delta preprocess, then, by ``variant``:
 
-    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv")
-    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program", "dkdv")
-    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program", "dkdv")
-    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth", "dkdv")
-    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program", "dq")
-    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq")
-    dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq")
-    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq")
+    - 0 (two kernels): a dK/dV kernel (keys held, loop over queries) and a dQ kernel
+      (queries held, loop over keys) that recomputes QK^T and dO.V^T: seven matrix
+      products, deterministic.
+    - 1 (atomic dQ): the dK/dV kernel also adds each dQ contribution to an fp32
+      accumulator with atomics (a tensor-descriptor reduce-add with ``dkdv_atomic_tma``),
+      then a small kernel scales and casts it: five products, no fixed dQ order, so only
+      for ``deterministic=False``. ``dq_block_m`` / ``dq_warps`` size that last kernel.
+    - 2 (one launch): the dK/dV and dQ programs of variant 0 in one grid, dK/dV programs
+      first; ``dkdv_warps`` / ``dkdv_stages`` apply to the whole launch. Deterministic.
+    - 3 (Hopper): the FA3-style Gluon backward for sm90 (``kernels/attn_bwd_hopper.py``):
+      five products, dQ by TMA reduce-add; with ``deterministic=True`` the dQ adds of each
+      query tile take turns in a fixed order. Its knobs are the ``hopper_*`` fields.
+    """
+
+    dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv",
+                             variants=_BP)
+    dkdv_block_n: int = knob(64, POW2_BLOCKS, "dK/dV: keys held per program", "dkdv",
+                             variants=_BP)
+    dkdv_warps: int = knob(4, WARPS, "dK/dV: warps per program (one launch: every program)",
+                           "dkdv", variants=_BP)
+    dkdv_stages: int = knob(2, STAGES, "dK/dV: pipelining depth (one launch: every program)",
+                            "dkdv", variants=_BP)
+    dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program (atomic dQ: "
+                           "rows per program of the scale-and-cast kernel)", "dq", variants=_BP)
+    dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq",
+                           variants=(BWD_TWO_KERNEL, BWD_ONE_LAUNCH))
+    dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq",
+                         variants=(BWD_TWO_KERNEL, BWD_ATOMIC))
+    dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq", variants=(BWD_TWO_KERNEL,))
     pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program", "pre")
-    maxnreg: int = knob(0, MAXNREG, "register cap per thread for both kernels (0 = compiler)")
+    maxnreg: int = knob(0, MAXNREG, "register cap per thread for every launch (0 = compiler)",
+                        variants=_BP)
+    variant: int = knob(BWD_TWO_KERNEL, tuple(BWD_VARIANT_NAMES),
+                        "kernel family: 0 two portable kernels (7 products), 1 portable with "
+                        "atomic dQ (5 products, not deterministic), 2 portable in one launch, "
+                        "3 Hopper (Gluon, sm90)")
+    dkdv_atomic_tma: int = knob(0, (0, 1), "dK/dV, atomic dQ: add dQ through a tensor "
+                                "descriptor (TMA reduce-add on sm90) instead of pointer "
+                                "atomics", "dkdv", variants=(BWD_ATOMIC,))
+    hopper_block_m: int = knob(64, (64, 128), "Hopper: query rows per step (128: D <= 64)",
+                               variants=_BH)
+    hopper_block_n: int = knob(128, (64, 128), "Hopper: keys held per program (one consumer "
+                               "warpgroup per 64)", variants=_BH)
+    hopper_stages: int = knob(2, (1, 2, 3, 4), "Hopper: Q/dO ring buffers", variants=_BH)
+    hopper_regs: int = knob(240, (216, 232, 240), "Hopper: registers per consumer thread",
+                            variants=_BH)
+    hopper_stagger: int = knob(1, (0, 1), "Hopper, no mask: each key tile starts its walk "
+                               "over the queries at its own offset", variants=_BH)
 
     kind = "bwd"
 
@@ -140,7 +187,8 @@ def active_fields(cls: type, variant: int | None = None) -> list[str]:
 def variant_of(params: Any) -> int | None:
     """The ``variant`` of a config or a params mapping (None when it has none)."""
     if isinstance(params, dict):
-        return params.get("variant", PORTABLE if "num_warps" in params else None)
+        portable = "num_warps" in params or "dkdv_warps" in params
+        return params.get("variant", PORTABLE if portable else None)
     return getattr(params, "variant", None)
 
 
@@ -234,15 +282,16 @@ def _check_smem(where: str, need: int, smem_bytes: int) -> None:
             f"{where}: estimated shared memory {need} B exceeds the device's {smem_bytes} B")
 
 
-def _check_unused_at_default(c: FwdConfig) -> None:
-    default = FwdConfig()
+def _check_unused_at_default(c: FwdConfig | BwdConfig) -> None:
+    default = type(c)()
+    names = VARIANT_NAMES if isinstance(c, FwdConfig) else BWD_VARIANT_NAMES
     for f in dataclasses.fields(c):
         used = f.metadata.get("variants")
         if used is not None and c.variant not in used \
                 and getattr(c, f.name) != getattr(default, f.name):
             raise InfeasibleConfigError(
-                f"fwd: {f.name}={getattr(c, f.name)} has no meaning for the "
-                f"{VARIANT_NAMES[c.variant]} kernel; leave it at {getattr(default, f.name)}")
+                f"{c.kind}: {f.name}={getattr(c, f.name)} has no meaning for the "
+                f"{names[c.variant]} kernel; leave it at {getattr(default, f.name)}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -328,18 +377,101 @@ def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
             f"or Triton >= 3.7)")
 
 
+def variant_unavailable(direction: str, variant: int, p: Problem) -> str:
+    """Why no config of ``variant`` can serve ``p`` whatever its other knobs ('' if some
+    may): the search space leaves such variants out before sampling."""
+    if direction != "bwd":
+        return ""
+    if variant == BWD_HOPPER:
+        return _bwd_hopper_unavailable(p)
+    if variant == BWD_ATOMIC and p.deterministic:
+        return ("bwd portable-atomic: dQ is summed with atomics in no fixed order, so it "
+                "serves only deterministic=False (this problem is deterministic=True)")
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def descriptor_reduce_support() -> str:
+    """'' when a tensor-descriptor atomic_add can run here, else why not. Checked once."""
+    from flashtune._env import interpreting
+
+    if interpreting():
+        return "the CPU interpreter has no tensor-descriptor atomic_add"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cc = torch.cuda.get_device_capability()
+    if cc[0] < 9:
+        return f"the device is sm{cc[0]}{cc[1]}; descriptor reduce-adds need sm90 or newer"
+    return ""
+
+
+def smem_dq_tile(c: BwdConfig, d: int) -> int:
+    # Atomic dQ through TMA: the fp32 [dkdv_block_m, D] tile is staged in shared memory.
+    return 4 * c.dkdv_block_m * d if c.dkdv_atomic_tma else 0
+
+
+def _bwd_hopper_unavailable(p: Problem) -> str:
+    if p.packed:
+        return "bwd hopper: packed (varlen) batches run on the portable kernels only"
+    if p.head_dim not in (64, 128):
+        return f"bwd hopper: head_dim {p.head_dim} is not supported (allowed: 64, 128)"
+    reason = hopper_support()
+    return f"bwd hopper: {reason}" if reason else ""
+
+
+def smem_bwd_hopper(c: BwdConfig, d: int, deterministic: bool) -> int:
+    # Q and dO rings, the held K and V, each consumer's dS tile, and (without the fixed
+    # order, which adds from registers) each consumer's fp32 dQ tile for the TMA reduce.
+    m, n = c.hopper_block_m, c.hopper_block_n
+    dq = 0 if deterministic else 4 * m * d * (n // 64)
+    return 2 * (2 * c.hopper_stages * m * d + 2 * n * d + n * m) + dq + 1024
+
+
+def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
+    if c.hopper_block_m == 128 and p.head_dim > 64:
+        raise InfeasibleConfigError(
+            f"bwd hopper: hopper_block_m=128 needs head_dim <= 64 (got {p.head_dim}): a "
+            f"consumer holds dK, dV and a 128-row dQ tile in registers")
+    _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, p.deterministic), smem_bytes)
+
+
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
+    """Raise InfeasibleConfigError (with the reason) if ``c`` cannot run ``p``."""
+    _check_unused_at_default(c)
+    reason = variant_unavailable("bwd", c.variant, p)
+    if reason:
+        raise InfeasibleConfigError(reason)
+    if c.variant == BWD_HOPPER:
+        _check_bwd_hopper(c, p, smem_bytes)
+        return
+    if c.dkdv_atomic_tma:
+        reason = descriptor_reduce_support()
+        if reason:
+            raise InfeasibleConfigError(f"bwd portable-atomic: dkdv_atomic_tma=1: {reason}")
     d = padded_head_dim(p.head_dim)
+    one_launch = c.variant == BWD_ONE_LAUNCH
+    # In one launch, every program runs with the dK/dV launch knobs.
+    dq_warps = c.dkdv_warps if one_launch else c.dq_warps
     _check_launch("bwd dkdv", c.dkdv_block_n, c.dkdv_warps)
-    _check_launch("bwd dq", c.dq_block_m, c.dq_warps)
-    _check_smem("bwd dkdv", smem_dkdv(c, d), smem_bytes)
-    _check_smem("bwd dq", smem_dq(c, d), smem_bytes)
-    # dK/dV: two fp32 accumulators (dk, dv) plus the P^T and dP^T tiles; dQ: one accumulator
-    # plus the P and dP tiles.
-    r1 = (2 * c.dkdv_block_n * d + 2 * c.dkdv_block_n * c.dkdv_block_m) / (32 * c.dkdv_warps)
-    r2 = (c.dq_block_m * d + 2 * c.dq_block_m * c.dq_block_n) / (32 * c.dq_warps)
+    _check_launch("bwd dq", c.dq_block_m, dq_warps)
+    if one_launch:
+        # Each program runs one of the two bodies: the launch needs the larger of the two.
+        one = dataclasses.replace(c, dq_stages=c.dkdv_stages)
+        _check_smem("bwd one launch", max(smem_dkdv(c, d), smem_dq(one, d)), smem_bytes)
+    else:
+        _check_smem("bwd dkdv", smem_dkdv(c, d) + smem_dq_tile(c, d), smem_bytes)
+        if c.variant == BWD_TWO_KERNEL:
+            _check_smem("bwd dq", smem_dq(c, d), smem_bytes)
+    # dK/dV: two fp32 accumulators (dk, dv) plus the P^T and dP^T tiles, and with atomic dQ
+    # the fp32 dQ tile of each step; dQ: one accumulator plus the P and dP tiles.
+    r1 = (2 * c.dkdv_block_n * d + 2 * c.dkdv_block_n * c.dkdv_block_m
+          + (c.dkdv_block_m * d if c.variant == BWD_ATOMIC else 0)) / (32 * c.dkdv_warps)
     _check_regs("bwd dkdv", r1, c.maxnreg, c.dkdv_warps)
-    _check_regs("bwd dq", r2, c.maxnreg, c.dq_warps)
+    if c.variant != BWD_ATOMIC:
+        r2 = (c.dq_block_m * d + 2 * c.dq_block_m * c.dq_block_n) / (32 * dq_warps)
+        _check_regs("bwd dq", r2, c.maxnreg, dq_warps)
 
 
 def check(c: FwdConfig | BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:
@@ -365,6 +497,18 @@ def _fit_rows(block: int, n: int) -> int:
     return max(16, min(block, 1 << max(n - 1, 1).bit_length()))
 
 
+# Below this many scores per call the kernels run for a few microseconds and the call is
+# bound by host time, where the portable launch is cheaper than the Hopper one (which builds
+# TMA descriptors per call): bench_overhead.py measured 48 us against 20 us per call at
+# B=1, H=1, S=128, D=64 on the H200.
+HOST_BOUND_SCORES = 1 << 22
+
+
+def host_bound(p: Problem) -> bool:
+    """A call so small that host time, not the kernel, decides its speed."""
+    return p.batch * p.heads_q * p.seqlen_q * p.seqlen_k < HOST_BOUND_SCORES
+
+
 def default_fwd(p: Problem) -> FwdConfig:
     """Heuristic forward config, always feasible: the Hopper kernel where it can run and was
     measured faster (1.14x the portable default, geomean over the standard matrix on the
@@ -373,7 +517,7 @@ def default_fwd(p: Problem) -> FwdConfig:
     # (H200, BENCHMARKS.md: S <= 2048, 0.83-0.98x), so they stay portable.
     short_causal_64 = p.causal and p.head_dim == 64 and p.seqlen_q <= 2048
     if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not short_causal_64 \
-            and not p.packed and not hopper_support():
+            and not p.packed and not host_bound(p) and not hopper_support():
         # Measured on the H200 (BENCHMARKS.md): a persistent grid helps without a mask; with
         # the causal diagonal, one tile per program balances better.
         if p.causal or p.window != (-1, -1):
@@ -399,8 +543,11 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
     return c
 
 
-def default_bwd(p: Problem) -> BwdConfig:
-    """Heuristic backward config, always feasible."""
+def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
+    """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
+    the Hopper backward for ``deterministic=False`` where it can run, else the two-kernel
+    backward; else that variant (the portable ones with the same tiles;
+    InfeasibleConfigError if the variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = BwdConfig(dkdv_block_m=32, dkdv_block_n=128, dkdv_warps=4, dkdv_stages=3,
@@ -421,7 +568,37 @@ def default_bwd(p: Problem) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
+    if variant is None and not p.deterministic and not host_bound(p) \
+            and not _bwd_hopper_unavailable(p):
+        # Measured on the H200: the Hopper backward beats the portable one when dQ may be
+        # summed in any order; in the fixed order its turns cost more than they save.
+        variant = BWD_HOPPER
+    if variant == BWD_HOPPER:
+        reason = _bwd_hopper_unavailable(p)
+        if reason:
+            raise InfeasibleConfigError(reason)
+        c = BwdConfig(variant=BWD_HOPPER, pre_block_m=c.pre_block_m)
+    elif variant is not None and variant != c.variant:
+        c = _as_variant(c, variant, p)
     check_bwd(c, p)
+    return c
+
+
+def _as_variant(c: BwdConfig, variant: int, p: Problem) -> BwdConfig:
+    """``c``'s tiles run as ``variant``: the knobs it does not use back at their defaults."""
+    reason = variant_unavailable("bwd", variant, p)
+    if reason:
+        raise InfeasibleConfigError(reason)
+    base, used = BwdConfig(), set(active_fields(BwdConfig, variant))
+    c = dataclasses.replace(c, variant=variant, **{
+        f.name: getattr(base, f.name) for f in dataclasses.fields(c) if f.name not in used})
+    if variant == BWD_ONE_LAUNCH:
+        # One launch, one num_warps: what the dQ tile can use, the dK/dV tile shrunk to fit
+        # its registers with it.
+        warps = min(c.dkdv_warps, max(4, c.dq_block_m // 8))
+        c = dataclasses.replace(c, dkdv_warps=warps)
+        while c.dkdv_block_n > 16 and not is_feasible(c, p)[0]:
+            c = dataclasses.replace(c, dkdv_block_n=c.dkdv_block_n // 2)
     return c
 
 

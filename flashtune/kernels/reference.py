@@ -251,7 +251,8 @@ def compare(problem: Any, direction: str, config: Any, *, device: torch.device |
     do = grads = None
     if direction == "bwd":
         do = torch.randn(q.shape, generator=generator, dtype=torch.float32).to(device, q.dtype)
-        grads = attn_bwd(do, q, k, v, o, lse, config=config, **kw)
+        grads = attn_bwd(do, q, k, v, o, lse, config=config, deterministic=p.deterministic,
+                         **kw)
     ref_kw: dict[str, Any] = dict(causal=p.causal, softmax_scale=scale, window_size=p.window,
                                   softcap=p.softcap)
     if packed is None:

@@ -13,56 +13,53 @@ whose batch is the number of sequences and whose lengths are the longest sequenc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from flashtune._env import dtype_name
+from flashtune.kernels import _autograd, _plans
+from flashtune.kernels._plans import (
+    Plan,
+    ProblemResolver,
+    caches,
+    heuristic_problem_resolver,
+    remember,
+)
 from flashtune.kernels.attention import (
     _encode,
+    _same_config,
     check_tensors,
-    split_config,
+    forced_configs,
+    needs_grad,
     validate_deterministic,
     validate_options,
 )
-from flashtune.kernels.attn_bwd import attn_bwd
-from flashtune.kernels.attn_fwd import Packed, attn_fwd
-from flashtune.kernels.config import (
-    BwdConfig,
-    FwdConfig,
-    check_bwd,
-    check_fwd,
-    default_config,
-)
+from flashtune.kernels.config import BwdConfig, FwdConfig
 from flashtune.problem import Problem
 
-ProblemResolver = Callable[[str, Problem, torch.device], "FwdConfig | BwdConfig"]
-
-
-def heuristic_problem_resolver(direction: str, problem: Problem,
-                               device: torch.device) -> FwdConfig | BwdConfig:
-    return default_config(direction, problem)
-
-
-_resolver: ProblemResolver = heuristic_problem_resolver
+__all__ = ["flash_attn_varlen_func", "set_varlen_resolver", "heuristic_problem_resolver",
+           "varlen_problem", "validate_varlen"]
 
 
 def set_varlen_resolver(fn: ProblemResolver | None) -> None:
-    """Install the function that picks a varlen call's config (None resets to the heuristic)."""
-    global _resolver
-    _resolver = fn if fn is not None else heuristic_problem_resolver
+    """Install the function that picks a varlen call's config (None resets to the heuristic).
+    Every remembered decision is forgotten."""
+    _plans.set_resolvers(_plans.resolvers()[0], fn)
 
 
 def varlen_problem(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                   window: tuple[int, int], softcap: float) -> Problem:
+                   window: tuple[int, int], softcap: float,
+                   deterministic: bool = True) -> Problem:
     """The :class:`Problem` of a packed call: one batch entry per sequence, each as long as
     the longest (the kernels' grid has exactly that shape)."""
     return Problem(batch=cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],
                    seqlen_q=max(int(max_seqlen_q), 1), seqlen_k=max(int(max_seqlen_k), 1),
                    head_dim=q.shape[2], dtype=dtype_name(q.dtype), causal=causal,
-                   window=window, softcap=softcap, total_q=q.shape[0], total_k=k.shape[0])
+                   window=window, softcap=softcap, deterministic=deterministic,
+                   total_q=q.shape[0], total_k=k.shape[0])
 
 
 # ----------------------------------------------------------------------------- validation
@@ -98,15 +95,24 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed, causal: bool,
-              scale: float, window: tuple[int, int], softcap: float, enc: Sequence[int],
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = FwdConfig(*enc) if enc else _resolver(
-        "fwd", varlen_problem(q, k, packed.cu_q, packed.max_q, packed.max_k, causal, window,
-                              softcap), q.device)
-    assert isinstance(cfg, FwdConfig)
-    return attn_fwd(q, k, v, causal=causal, sm_scale=scale, window=window, softcap=softcap,
-                    config=cfg, packed=packed)
+def op_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+            max_q: int, max_k: int, causal: bool, scale: float, window: tuple[int, int],
+            softcap: float, deterministic: bool, fwd_enc: Sequence[int],
+            bwd_enc: Sequence[int]) -> Plan:
+    """The plan of a packed custom-op call (arguments already normalised), by signature."""
+    cache = caches["op"]
+    key = ("varlen", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+           q.device, cu_q.shape, max_q, max_k, causal, scale, window, softcap, deterministic,
+           tuple(fwd_enc), tuple(bwd_enc))
+    plan = cache.get(key)
+    if plan is None:
+        problem = varlen_problem(q, k, cu_q, max_q, max_k, causal, window, softcap,
+                                 deterministic)
+        plan = remember(cache, key, Plan(
+            problem, q.device, causal, scale, window, softcap, deterministic,
+            FwdConfig(*fwd_enc) if fwd_enc else None, BwdConfig(*bwd_enc) if bwd_enc else None,
+            maxlen=(max_q, max_k)))
+    return plan
 
 
 @torch.library.custom_op("flashtune::attn_varlen_fwd", mutates_args=())
@@ -116,9 +122,9 @@ def attn_varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        window_right: int, softcap: float, deterministic: bool,
                        fwd_config: list[int], bwd_config: list[int],
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _fwd_impl(q, k, v, packed, causal, scale, (window_left, window_right), softcap,
-                     fwd_config)
+    plan = op_plan(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale,
+                   (window_left, window_right), softcap, deterministic, fwd_config, ())
+    return plan.forward(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 @attn_varlen_fwd_op.register_fake
@@ -134,16 +140,10 @@ def attn_varlen_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        causal: bool, scale: float, window_left: int, window_right: int,
                        softcap: float, deterministic: bool, bwd_config: list[int],
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is carried for backward variants to come: today's backward is
-    # deterministic either way (no atomics; GQA groups summed in a fixed order).
-    window = (window_left, window_right)
-    cfg = BwdConfig(*bwd_config) if bwd_config else _resolver(
-        "bwd", varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window,
-                              softcap), q.device)
-    assert isinstance(cfg, BwdConfig)
-    return attn_bwd(do, q, k, v, o, lse, causal=causal, sm_scale=scale, window=window,
-                    softcap=softcap, config=cfg,
-                    packed=Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    # ``deterministic`` picks the backward's config (and refuses free-order dQ variants).
+    plan = op_plan(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale,
+                   (window_left, window_right), softcap, deterministic, (), bwd_config)
+    return plan.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
 
 
 @attn_varlen_bwd_op.register_fake
@@ -152,21 +152,7 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, cu_q, cu_k, *args = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.args = args[:-2] + args[-1:]  # everything but the forward config
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attn_varlen_bwd_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 12
-
-
-attn_varlen_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_autograd.register(attn_varlen_fwd_op, attn_varlen_bwd_op)
 
 
 # ----------------------------------------------------------------------------- public
@@ -189,21 +175,63 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     when its query and key lengths differ; ``window_size`` and ``softcap`` are as in
     :func:`flashtune.flash_attention`. A sequence with no keys gives zeros (LSE +inf).
     Returns the output (q's shape and dtype), plus the natural-log LSE (Hq, total_q) fp32
-    with ``return_lse=True``. The backward is deterministic (``deterministic`` is accepted
-    for flash-attn compatibility). Works under autograd, torch.compile and CUDA graphs.
+    with ``return_lse=True``. ``deterministic`` as in
+    :func:`flashtune.flash_attention`. Works under autograd, torch.compile and CUDA graphs.
     """
-    validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale, window, cap = validate_options(q.shape[2], causal, softmax_scale, window_size,
-                                          softcap, max_seqlen_q, max_seqlen_k)
-    validate_deterministic(deterministic)
-    fwd_cfg, bwd_cfg = split_config(config)
-    if fwd_cfg is not None or bwd_cfg is not None:
-        p = varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, cap)
-        if fwd_cfg is not None:
-            check_fwd(fwd_cfg, p)
-        if bwd_cfg is not None:
-            check_bwd(bwd_cfg, p)
-    o, lse = attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                int(max_seqlen_k), causal, scale, window[0], window[1], cap,
-                                deterministic, _encode(fwd_cfg), _encode(bwd_cfg))
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    if torch.compiler.is_compiling():  # the custom op, which the graph keeps
+        scale, window, cap, problem = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, causal,
+                                                softmax_scale, window_size, softcap,
+                                                deterministic)
+        fwd_cfg, bwd_cfg = forced_configs(config, problem)
+        o, lse = attn_varlen_fwd_op(q, k, v, *cu, int(max_seqlen_q), int(max_seqlen_k), causal,
+                                    scale, window[0], window[1], cap, deterministic,
+                                    _encode(fwd_cfg), _encode(bwd_cfg))
+    else:
+        plan = call_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         causal, softmax_scale, window_size, softcap, deterministic, config)
+        if needs_grad(q, k, v):
+            o, lse = _autograd.Attention.apply(plan, q, k, v, *cu)
+        else:
+            o, lse = plan.forward(q, k, v, *cu)
     return (o, lse) if return_lse else o
+
+
+def _validate(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
+              causal: Any, softmax_scale: Any, window_size: Any, softcap: Any,
+              deterministic: Any) -> tuple[float, tuple[int, int], float, Problem]:
+    validate_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    scale, window, cap = validate_options(q.shape[2], causal, softmax_scale, window_size,
+                                          softcap, max_q, max_k)
+    validate_deterministic(deterministic)
+    return scale, window, cap, varlen_problem(q, k, cu_q, max_q, max_k, causal, window, cap,
+                                              deterministic)
+
+
+def call_plan(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
+              causal: Any, softmax_scale: Any, window_size: Any, softcap: Any,
+              deterministic: Any, config: Any) -> Plan:
+    """The plan of a :func:`flash_attn_varlen_func` call, cached by its signature (the
+    prefix sums' shapes, dtypes and devices; never their values)."""
+    cache = caches["call"]
+    try:
+        key: Any = (
+            "varlen", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+            k.dtype, v.dtype, q.device, k.device, v.device, cu_q.shape, cu_q.stride(),
+            cu_q.dtype, cu_q.device, cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device, max_q,
+            max_k, causal, softmax_scale, window_size, softcap, deterministic, config, type(q),
+            type(k), type(v), type(cu_q), type(cu_k), type(max_q), type(max_k), type(causal),
+            type(softmax_scale), type(window_size), type(window_size[0]),
+            type(window_size[1]), type(softcap), type(deterministic))
+        plan = cache.get(key)
+    except Exception:  # not tensors, or arguments that cannot key a dict: validate in full
+        key = plan = None
+    if plan is not None and _same_config(plan, config):
+        return plan
+    scale, window, cap, problem = _validate(q, k, v, cu_q, cu_k, max_q, max_k, causal,
+                                            softmax_scale, window_size, softcap, deterministic)
+    fwd_cfg, bwd_cfg = forced_configs(config, problem)
+    return remember(cache, key, Plan(problem, q.device, causal, scale, window, cap,
+                                     deterministic, fwd_cfg, bwd_cfg,
+                                     maxlen=(int(max_q), int(max_k)), config=config))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from flashtune.autotune.measure import Bench
-from flashtune.kernels.attn_bwd import BWD_PARTS, attn_bwd, bwd_steps
-from flashtune.kernels.config import BwdConfig, default_fwd
+from flashtune.kernels.attn_bwd import BWD_PARTS, ONE_LAUNCH_PART, attn_bwd, bwd_steps
+from flashtune.kernels.config import (
+    BWD_ATOMIC,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    default_fwd,
+)
 from flashtune.problem import Problem
 from flashtune.timing import time_parts
 
@@ -15,17 +23,30 @@ P = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=56, head_dim=3
             dtype="bf16", causal=True)
 
 
-def test_steps_in_order_are_the_backward(device: str, seed: int) -> None:
-    bench = Bench(P, device, seed=seed)
+@pytest.mark.parametrize("variant, names", [
+    (BWD_TWO_KERNEL, list(BWD_PARTS)),
+    (BWD_ATOMIC, list(BWD_PARTS)),  # "dq" scales and casts the atomically summed dQ
+    (BWD_ONE_LAUNCH, ["pre", ONE_LAUNCH_PART]),
+])
+def test_steps_in_order_are_the_backward(variant: int, names: list[str], device: str,
+                                         seed: int) -> None:
+    det = variant != BWD_ATOMIC
+    bench = Bench(dataclasses.replace(P, deterministic=det), device, seed=seed)
     args = bench._bwd_args()
-    cfg = BwdConfig(dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16)
-    whole = attn_bwd(*args, config=cfg, **bench.kw)
-    grads, steps = bwd_steps(*args, config=cfg, **bench.kw)
-    assert [name for name, _ in steps] == list(BWD_PARTS)
+    cfg = BwdConfig(dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32,
+                    dq_block_n=32 if variant == BWD_ATOMIC else 16, variant=variant)
+    whole = attn_bwd(*args, config=cfg, deterministic=det, **bench.kw)
+    grads, steps = bwd_steps(*args, config=cfg, deterministic=det, **bench.kw)
+    assert [name for name, _ in steps] == names
     for _, launch in steps:
         launch()
     for a, b in zip(whole, grads, strict=True):
-        assert torch.equal(a, b)  # the backward is deterministic: same launches, same bits
+        if det or device == "cpu":  # the interpreter runs the atomics in program order
+            assert torch.equal(a, b)  # deterministic: same launches, same bits
+        else:
+            torch.testing.assert_close(a, b)
+    _, parts = bench.time_with_parts("bwd", cfg, warmup_ms=1, rep_ms=2, cpu_reps=1)
+    assert list(parts) == names
 
 
 def test_backward_timing_reports_each_launch(device: str, seed: int) -> None:

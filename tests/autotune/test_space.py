@@ -91,7 +91,10 @@ def test_parts_group_the_backward_fields_by_launch() -> None:
     assert set(parts) == {"pre", "dkdv", "dq"}
     assert all(f.startswith(p) for p, fs in parts.items() for f in fs)
     owned = {f for fs in parts.values() for f in fs}
-    assert set(config_fields(BwdConfig)) - owned == {"maxnreg"}  # shared by both kernels
+    # shared by every launch: the register cap, and the variant that picks the launches
+    # Shared: the variant, and the knobs of the one-launch Hopper kernel.
+    hopper = {f for f in config_fields(BwdConfig) if f.startswith("hopper_")}
+    assert set(config_fields(BwdConfig)) - owned == {"maxnreg", "variant"} | hopper
     # Parts are the launches whose fields a space holds, even with those fields pinned.
     assert set(SearchSpace.subgrid("bwd", dq_block_n=(16, 32)).parts) == {"pre", "dkdv", "dq"}
     assert SearchSpace.full("fwd").compose([({"block_m": 64}, {"fwd": 1.0})]) == []
@@ -167,3 +170,48 @@ def test_part_moves_step_every_launch_to_an_untried_neighbour() -> None:
     assert space.part_setting("dq", other) != space.part_setting("dq", base)
     assert space.part_moves(other, seen) is not None
     assert SearchSpace.full("fwd").part_moves({}, set()) is None
+
+
+def test_backward_variants_sampled_are_those_the_problem_allows() -> None:
+    import optuna
+
+    from flashtune.kernels.config import (
+        BWD_ATOMIC,
+        BWD_ONE_LAUNCH,
+        BWD_TWO_KERNEL,
+        active_fields,
+    )
+
+    space = SearchSpace.full("bwd")
+    det, free = P, dataclasses.replace(P, deterministic=False)
+    assert space.variants() == [0, 1, 2, 3]  # all declared; 3 is the Hopper kernel to come
+    assert space.variants(det) == [BWD_TWO_KERNEL, BWD_ONE_LAUNCH]
+    assert space.variants(free) == [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH]
+    assert SearchSpace.full("fwd").variants(det) == list(config_fields(FwdConfig)["variant"])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for problem, expect in ((det, {0, 2}), (free, {0, 1, 2})):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        seen = set()
+        for _ in range(60):
+            trial = study.ask()
+            cfg = space.suggest(trial, problem)
+            seen.add(cfg.variant)
+            # Define-by-run: only the variant's own knobs are asked for.
+            assert set(trial.params) == set(active_fields(BwdConfig, cfg.variant))
+            study.tell(trial, 1.0)
+        assert seen == expect, (problem.deterministic, seen)
+
+
+def test_compose_never_splits_the_one_launch_backward() -> None:
+    """The one-launch variant's time depends on the dK/dV and dQ fields at once: its
+    records ("pre" and "dkdv+dq") are not recombined part by part."""
+    from flashtune.kernels.attn_bwd import ONE_LAUNCH_PART
+    from flashtune.kernels.config import BWD_ONE_LAUNCH, BWD_TWO_KERNEL
+
+    space = SearchSpace.full("bwd")
+    one = space.complete({"variant": BWD_ONE_LAUNCH, "dq_block_n": 64})
+    two = space.complete({"variant": BWD_TWO_KERNEL})
+    assert space.compose([(one, {"pre": 0.1, ONE_LAUNCH_PART: 1.0})]) == []
+    ranked = space.compose([(one, {"pre": 0.1, ONE_LAUNCH_PART: 1.0}),
+                            (two, {"pre": 0.1, "dkdv": 0.5, "dq": 0.6})])
+    assert [p for _, p in ranked] == [two]

@@ -17,7 +17,8 @@ from flashtune.autotune import SearchSpace, TuneResult, tune
 from flashtune.autotune._faults import ENV, fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
-from flashtune.kernels.config import config_from_dict, config_to_dict
+from flashtune.kernels.attn_bwd import ONE_LAUNCH_PART
+from flashtune.kernels.config import BWD_ONE_LAUNCH, config_from_dict, config_to_dict
 from flashtune.kernels.reference import compare
 from flashtune.problem import Problem
 
@@ -56,7 +57,10 @@ def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> Non
     # Backward trials carry each launch's time (what the recombination step reads).
     study = optuna.load_study(study_name=res["bwd"].study_name, storage=f"sqlite:///{db}")
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert done and all(set(t.user_attrs["parts_ms"]) == {"pre", "dkdv", "dq"} for t in done)
+    launches = {BWD_ONE_LAUNCH: {"pre", ONE_LAUNCH_PART}}  # else pre, dkdv, dq
+    assert done and all(set(t.user_attrs["parts_ms"])
+                        == launches.get(t.params["variant"], {"pre", "dkdv", "dq"})
+                        for t in done)
     assert {e["event"] for e in events} >= {"trial", "done"}
 
 
@@ -175,10 +179,12 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     sources = [t.user_attrs.get("seed_source") for t in measured]
     assert set(sources[-2:]) <= {"polish", "compose"}
     polish = [t for t in measured if t.user_attrs.get("seed_source") == "polish"]
+    full = space.complete  # a trial's params hold only the knobs its variant uses
     for t in polish:
         earlier = [e for e in measured if e.number < t.number]
         assert all(e.params != t.params for e in earlier)
-        assert any(all(space.part_setting(part, e.params) != space.part_setting(part, t.params)
+        assert any(all(space.part_setting(part, full(e.params))
+                       != space.part_setting(part, full(t.params))
                        for e in earlier) for part in space.parts)
     # A trial that beat the incumbent was timed twice more and kept the median of three.
     confirmed = [t for t in measured if "confirm_ms" in t.user_attrs]
@@ -189,6 +195,46 @@ def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     # A recombined candidate, when one was made, is the best parts of earlier trials.
     for t in measured:
         if t.user_attrs.get("seed_source") == "compose":
-            earlier = [(e.params, e.user_attrs["parts_ms"]) for e in measured
+            earlier = [(full(e.params), e.user_attrs["parts_ms"]) for e in measured
                        if e.number < t.number and "parts_ms" in e.user_attrs]
-            assert t.params in [c for _, c in space.compose(earlier)]
+            assert full(t.params) in [c for _, c in space.compose(earlier)]
+
+
+def test_a_real_tune_replaces_imported_claims_whatever_they_claimed(tmp_path) -> None:
+    import dataclasses
+    import json
+    import random
+
+    from flashtune.db.exchange import FORMAT, FORMAT_VERSION, import_json
+    from flashtune.db.validation import to_entry
+    from tests.db import _data
+
+    db = tmp_path / "tuning.db"
+    here, sw = device_info(), software_info()
+    fast_p = dataclasses.replace(TINY, seqlen_q=64, seqlen_k=64)
+    # An import at the plausibility floor (1 us): faster than any interpreter run.
+    floor = _data.result(random.Random(1), device=here, software=sw, direction="fwd", p=fast_p,
+                         median_ms=1e-3, p20_ms=1e-3, p80_ms=1e-3,
+                         tflops=fast_p.flops("fwd") / 1e6, max_error=0.0)
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "entries": [to_entry(floor)]}
+    # ... and a 0 ms row of unknown origin, as a database of flashtune <= 0.1 may hold
+    # (imported before imports were checked for plausibility).
+    zero = dataclasses.replace(
+        _data.result(random.Random(2), device=here, software=sw, direction="fwd", p=TINY),
+        median_ms=0.0, p20_ms=0.0, p80_ms=0.0, tflops=0.0, origin="unknown")
+    with open_storage(db) as st:
+        assert import_json(st, json.dumps(doc).encode()).added == 1
+        assert st.put_results([zero]) == ["added"]
+    for p, claimed in ((TINY, 0.0), (fast_p, 1e-3)):
+        r = tune(p, "fwd", trials=1, storage=db, retime_rounds=0, warm_start=False)
+        assert r.stored and r.median_ms > claimed  # slower than the claim, and stored
+        with open_storage(db) as st:
+            got = st.get_result(here, sw, p.key("fwd"))
+            assert got is not None and got.origin == "local"
+            assert got.median_ms == pytest.approx(r.median_ms)
+            assert st.counts()["entries"] == 2  # replaced, not added beside
+    # Once measured here, the result stands: the faster claim imported again is kept out
+    # (only --prefer theirs forces it in).
+    with open_storage(db) as st:
+        assert import_json(st, json.dumps(doc).encode()).kept == 1
+        assert import_json(st, json.dumps(doc).encode(), prefer="theirs").replaced == 1

@@ -297,3 +297,75 @@ def test_ctrl_c_gives_the_task_back_and_exits_130(tmp_path: Path) -> None:
     with Board(f"sqlite:///{db}") as b:
         (t,) = b.tasks(b.sweep_ids()[0])
     assert t.state == "pending" and t.worker is None
+
+
+# ------------------------------------------------------------------------ --from-stale
+
+
+def test_from_stale_retunes_what_an_upgrade_made_stale_from_the_stale_winners(
+        tmp_path: Path) -> None:
+    import optuna
+
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import SoftwareInfo, device_info, software_info
+
+    db = str(tmp_path / "tuning.db")
+    here, now = device_info(), software_info()
+    before = SoftwareInfo(torch=now.torch, triton="3.8.0", cuda=now.cuda,  # an older Triton
+                          kernels_hash=now.kernels_hash, ptxas=now.ptxas)
+    stale_p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32,
+                      dtype="fp16")
+    both_p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=32, seqlen_k=32, head_dim=32,
+                     dtype="fp16")
+    winner = {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1}
+    timing = dict(median_ms=2.0, p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9,
+                  search_seconds=1.0)
+    with open_storage(db) as st:
+        for p, sw in ((stale_p, before), (both_p, before), (both_p, now)):
+            st.put_result(here, sw, p.key("fwd"), winner, problem=p,
+                          tflops=p.flops("fwd") / 2e9, **timing)
+        # Stale too, but of another device: not this machine's to re-tune.
+        from tests.db._data import H200
+
+        st.put_result(H200, before, stale_p.key("bwd"), {}, problem=stale_p,
+                      tflops=stale_p.flops("bwd") / 2e9, **timing)
+    code, out, err = _sweep("--from-stale", "--direction", "fwd", "--trials", "1", "--db", db)
+    assert code == 0, err
+    assert [(t["key"]["sq_bucket"], t["state"]) for t in out["tasks"]] == [(64, "done")]
+    with open_storage(db) as st:
+        got = st.get_result(here, now, stale_p.key("fwd"))
+        assert got is not None and got.origin == "local"
+        assert {k: got.config[k] for k in winner} == winner  # the one trial: the stale winner
+    study = [s for s in optuna.get_all_study_summaries(f"sqlite:///{db}")
+             if "fwd" in s.study_name]
+    trials = optuna.load_study(study_name=study[0].study_name,
+                               storage=f"sqlite:///{db}").trials
+    assert trials[0].user_attrs["seed_source"] == "stale"
+    # Nothing stale is left: a second run says so and fails.
+    code, out, err = _sweep("--from-stale", "--direction", "fwd", "--db", db)
+    assert code == 1 and "nothing is stale" in err
+    code, _, err = _sweep("--from-stale", "--preset", "tiny", "--db", db)
+    assert code == 2 and "--from-stale and --preset" in err
+
+
+def test_shapes_and_tune_take_the_backward_kind(tmp_path: Path) -> None:
+    from flashtune.db import open_storage
+
+    free = load_shape_dicts([{"deterministic": False, **TINY}])[0]
+    assert not free.deterministic and load_shape_dicts([TINY])[0].deterministic
+    with pytest.raises(ValueError, match="deterministic must be true or false, got 'no'"):
+        load_shape_dicts([{"deterministic": "no"}])
+    db = str(tmp_path / "t.db")
+    res = CliRunner().invoke(main, [
+        "tune", "--interpret", "--db", db, "--batch", "2", "--heads", "2", "--seqlen", "32",
+        "--head-dim", "32", "--dtype", "fp16", "--direction", "bwd", "--trials", "1",
+        "--no-deterministic", "--tokens", "40", "--quiet", "--json"])
+    assert res.exit_code == 0, res.output
+    key = json.loads(res.stdout)["bwd"]["key"]
+    assert (key["deterministic"], key["packed"], key["tokens_bucket"]) == (False, True, 64)
+    with open_storage(db) as st:
+        assert [(r.key.deterministic, r.key.packed) for r in st.results()] == [(False, True)]
+    bad = CliRunner().invoke(main, ["tune", "--interpret", "--db", db, "--batch", "1",
+                                    "--heads", "2", "--seqlen", "32", "--head-dim", "32",
+                                    "--tokens", "33"])
+    assert bad.exit_code == 2 and "'--tokens'" in bad.output

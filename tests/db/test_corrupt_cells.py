@@ -24,6 +24,9 @@ BAD = {
     "flashtune_version": ["v" * 100, "\x1b[31m"],
     "config_json": ["{not json", "[]", '{"block_m": 7}', '{"colour": 1}', "null"],
     "example_json": ["{not json", "[]", '{"batch": -1}'],
+    "torch": ["t" * 200, "\x1b[31m"], "cuda": ["", "\x9b"],
+    "origin": ["stolen", 3], "verify": ["maybe", ""],
+    "verified_at": ["yesterday", 7, "2026-11-23T10:00:00"],
 }
 
 

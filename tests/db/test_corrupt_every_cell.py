@@ -92,7 +92,7 @@ def reads(db: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     out["tasks"] = [t for sid in board.sweep_ids() for t in board.tasks(sid)]
     board.close()
     monkeypatch.setenv("FLASHTUNE_DB", str(db))
-    url, user, error = _table.read_user(_data.H200, sw)
+    url, user, _failed, error = _table.read_user(_data.H200, sw)
     assert error is None, error
     out["dispatcher"] = user
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Any
@@ -67,11 +68,16 @@ def test_export_filters_by_device(tmp_path: Any) -> None:
             == {A100}
 
 
-@pytest.mark.parametrize("prefer, winner", [("faster", "fast"), ("ours", "db"),
-                                            ("theirs", "file")])
-def test_import_merges_by_prefer_and_keeps_provenance(prefer: str, winner: str) -> None:
+@pytest.mark.parametrize("prefer, origin, winner", [
+    ("faster", "imported", "file"), ("ours", "imported", "db"), ("theirs", "imported", "file"),
+    # A result measured into this database stands against a faster claim, unless forced.
+    ("faster", "local", "db"), ("ours", "local", "db"), ("theirs", "local", "file"),
+])
+def test_import_merges_by_prefer_and_keeps_provenance(prefer: str, origin: str,
+                                                      winner: str) -> None:
     base = _data.results(24, 1, devices=(H200,), software=(SW,))[0]
-    stored = _data.retimed(base, 2 * base.median_ms, host="db-host")
+    stored = dataclasses.replace(_data.retimed(base, 2 * base.median_ms, host="db-host"),
+                                 origin=origin)
     incoming = _data.retimed(base, base.median_ms, host="file-host",
                              created_at="2025-01-02T03:04:05+00:00")
     with open_storage("sqlite://") as s:
@@ -80,8 +86,9 @@ def test_import_merges_by_prefer_and_keeps_provenance(prefer: str, winner: str) 
         got = s.get_result(H200, SW, base.key)
     assert got is not None
     if winner == "db":
-        assert got == stored and report.kept == 1
+        assert got == stored and report.kept == 1 and got.origin == origin
     else:  # the file's entry, provenance and all, is faster here too
+        assert got.origin == "imported"
         assert got.host == "file-host"
         assert got.created_at == "2025-01-02T03:04:05.000000+00:00"
         assert report.replaced == 1

@@ -22,9 +22,43 @@ def test_fingerprints_are_pinned() -> None:
     # Changing these orphans every database in the field: never do it by accident.
     h200 = DeviceInfo(name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
     assert h200.fingerprint == "7d10776c6eec68fb"
-    sw = SoftwareInfo(torch="2.13.0", triton="3.9.0", cuda="12.8", kernels_hash="a" * 64)
-    assert sw.fingerprint == "0a0471bac4dbd055"
+    sw = SoftwareInfo(torch="2.13.0", triton="3.9.0", cuda="12.8", kernels_hash="a" * 64,
+                      ptxas="12.9.86")
+    assert sw.fingerprint == "b53a63839f3dc290"
+    # The 0003 migration computes the fingerprints of old rows (no ptxas) with this rule.
+    old = SoftwareInfo(torch="2.12.0", triton="3.9.0", cuda="12.6", kernels_hash="a" * 64)
+    assert old.fingerprint == "5490a658e4d11625"
     assert DeviceInfo("NVIDIA H200", "9.0", 132, 141).fingerprint != h200.fingerprint
+
+
+BASE = SoftwareInfo(torch="2.13.0", triton="3.9.0", cuda="12.8", kernels_hash="a" * 64,
+                    ptxas="12.9.86")
+
+
+@pytest.mark.parametrize("field, value, stale", [
+    ("kernels_hash", "b" * 64, True),  # other kernel sources: other generated code
+    ("triton", "3.10.0", True),
+    ("ptxas", "13.0.48", True),
+    ("ptxas", "", False),  # not recorded (flashtune <= 0.1): judged by the other fields
+    ("torch", "2.14.0", False),  # provenance only
+    ("cuda", "13.0", False),  # provenance only
+])
+def test_staleness_rule_per_field(field: str, value: str, stale: bool) -> None:
+    from dataclasses import replace
+
+    from flashtune.db.fingerprint import stale_fields
+
+    other = replace(BASE, **{field: value})
+    assert stale_fields(other, BASE) == ([field] if stale else [])
+    assert (other.fingerprint != BASE.fingerprint) is (field in ("kernels_hash", "triton",
+                                                                  "ptxas"))
+
+
+def test_ptxas_version_is_recorded() -> None:
+    sw = software_info()
+    # Triton's wheel bundles ptxas; where it cannot run, "none" (never empty: "" is
+    # reserved for results stored before the version was recorded).
+    assert sw.ptxas and (sw.ptxas == "none" or sw.ptxas[0].isdigit())
 
 
 def test_interpreter_is_a_device_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -281,6 +281,84 @@ def test_a_database_at_the_old_default_location_stays_in_use(
     assert resolve_url("rel.db") == "sqlite:///" + os.path.abspath("rel.db")
 
 
+@contract
+@pytest.mark.parametrize("stored_origin, stored_verify, incoming_origin, expect", [
+    # A measurement here replaces an untrusted claim whatever it claimed (it is slower).
+    ("imported", "unverified", "local", "replaced"),
+    ("unknown", "unverified", "local", "replaced"),
+    ("shipped", "unverified", "local", "replaced"),
+    # ... but a result measured or verified here stands by speed as before.
+    ("imported", "passed", "local", "kept"),
+    ("local", "unverified", "local", "kept"),
+    # An untrusted claim never displaces a trusted result under "faster", even when faster.
+    ("local", "unverified", "imported", "kept"),
+    ("imported", "passed", "imported", "kept"),
+    ("imported", "unverified", "imported", "replaced"),  # between claims: the faster
+])
+def test_trust_settles_conflicts_before_speed(storage: Storage, stored_origin: str,
+                                              stored_verify: str, incoming_origin: str,
+                                              expect: str) -> None:
+    r = _data.result(random.Random(14), device=H200, software=SW)
+    stored = dataclasses.replace(r, origin=stored_origin, verify=stored_verify)
+    # The incoming result is slower when it is local, faster when it is a claim.
+    factor = 2.0 if incoming_origin == "local" else 0.5
+    incoming = _data.retimed(r, r.median_ms * factor, origin=incoming_origin)
+    assert storage.put_results([stored]) == ["added"]
+    assert storage.put_results([incoming]) == [expect]
+    got = storage.get_result(H200, SW, r.key)
+    assert got is not None
+    assert got.origin == (incoming_origin if expect == "replaced" else stored_origin)
+
+
+@contract
+def test_verify_outcomes_are_stored_and_a_failed_result_is_never_served(
+        storage: Storage) -> None:
+    a, b = (dataclasses.replace(r, origin="imported")
+            for r in _data.results(15, 2, devices=(H200,), software=(SW,)))
+    storage.put_results([a, b])
+    storage.set_verify(a, "passed", median_ms=a.median_ms * 2, p20_ms=a.median_ms * 1.9,
+                       p80_ms=a.median_ms * 2.1, max_error=0.002)
+    storage.set_verify(b, "failed")
+    got = storage.get_result(H200, SW, a.key)
+    assert got is not None and (got.verify, got.origin) == ("passed", "imported")
+    assert got.verified_at is not None and got.trusted
+    assert got.median_ms == a.median_ms * 2 and got.max_error == 0.002
+    assert got.tflops == pytest.approx(a.tflops / 2)  # the same FLOPs in twice the time
+    assert storage.get_result(H200, SW, b.key) is None
+    assert set(storage.load_table(H200, SW)) == {a.key}
+    assert set(storage.failed(H200, SW)) == {b.key}
+    assert storage.failed(H200, SW)[b.key].verify == "failed"
+    assert {r.key for r in storage.results(software=SW)} == {a.key, b.key}  # kept, listed
+    assert all(n.key != b.key for n in storage.nearest(H200, SW, b.key, n=5))
+    # A shipped entry gets a row of its own to hold its outcome.
+    c = dataclasses.replace(_data.result(random.Random(16), device=H200, software=SW),
+                            origin="shipped")
+    storage.set_verify(c, "failed")
+    assert storage.failed(H200, SW)[c.key].origin == "shipped"
+    with pytest.raises(ValueError, match="outcome must be"):
+        storage.set_verify(a, "maybe")
+
+
+@contract
+def test_a_result_without_a_ptxas_version_is_fresh_beside_a_newer_one(storage: Storage) -> None:
+    now = dataclasses.replace(SW, ptxas="12.9.86")
+    old = dataclasses.replace(SW, ptxas="")  # stored before ptxas versions were recorded
+    r = _data.result(random.Random(17), device=H200, software=old)
+    storage.put_results([dataclasses.replace(r, origin="unknown")])
+    got = storage.get_result(H200, now, r.key)
+    assert got is not None and not got.stale  # judged by the other fields
+    other = dataclasses.replace(now, ptxas="13.0.48")
+    assert storage.get_result(H200, other, r.key) is not None
+    # A newer, slower measurement under today's ptxas is the one served: it is trusted.
+    mine = _data.retimed(dataclasses.replace(r, software=now), r.median_ms * 3)
+    storage.put_results([mine])
+    assert storage.get_result(H200, now, r.key).median_ms == mine.median_ms
+    assert storage.load_table(H200, now)[r.key].median_ms == mine.median_ms
+    # Under another ptxas, today's result is stale and the unrecorded one still serves.
+    assert storage.get_result(H200, other, r.key).median_ms == r.median_ms
+    assert {x.stale for x in storage.results(software=now)} == {False}
+
+
 def test_the_suite_never_touches_the_users_database() -> None:
     from flashtune.db import default_path, resolve_url
 

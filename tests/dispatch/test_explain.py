@@ -9,7 +9,7 @@ import pytest
 import flashtune
 from flashtune import dispatch
 from flashtune.db import exchange, open_storage
-from flashtune.kernels import attention
+from flashtune.kernels._bound import BoundLaunch
 from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
 from tests.dispatch.test_dispatch import BWD_A, FWD_A, FWD_B, fresh_db, prob, put, qkv
 
@@ -25,8 +25,7 @@ def no_launch(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("explain launched a kernel")
 
-    monkeypatch.setattr(attention, "attn_fwd", boom)
-    monkeypatch.setattr(attention, "attn_bwd", boom)
+    monkeypatch.setattr(BoundLaunch, "__call__", boom)  # every kernel launch goes through it
 
 
 def test_tuned(db, device, no_launch):
@@ -100,3 +99,80 @@ def test_bad_inputs_raise_like_flash_attention(db, device):
         flashtune.explain(q[..., :12], k[..., :12], v[..., :12])
     with pytest.raises(TypeError, match="dtype"):
         flashtune.explain(q.float(), k.float(), v.float())
+
+
+def _packed_qkv(p, device):
+    """Packed tensors for ``p`` (its representative lengths) and their prefix sums."""
+    import torch
+
+    lq, lk = p.packed_lengths()
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype]
+    q = torch.randn(sum(lq), p.heads_q, p.head_dim, dtype=dt, device=device)
+    k = torch.randn(sum(lk), p.heads_kv, p.head_dim, dtype=dt, device=device)
+    cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                       device=device) for x in (lq, lk)]
+    return q, k, torch.randn_like(k), cu[0], cu[1], max(lq), max(lk)
+
+
+def test_packed_problems_are_explained_under_their_own_key(db, device, no_launch):
+    packed = prob(batch=3, total_q=150, total_k=150)
+    dense = prob(batch=3)
+    put(db, packed, "fwd", FWD_A)
+    q, k, v, cu_q, cu_k, mq, mk = _packed_qkv(packed, device)
+    ex = flashtune.explain(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           max_seqlen_q=mq, max_seqlen_k=mk)
+    assert ex.problem == packed and ex.key == packed.key("fwd") and ex.key.packed
+    assert ex.fwd.source == "tuned" and ex.fwd_config == FWD_A
+    # The dense batch of the same sequences x heads and lengths is another problem.
+    dex = flashtune.explain(*qkv(dense, device), causal=True)
+    assert not dex.key.packed and dex.fwd.source == "default" and dex.fwd.entry is None
+    with pytest.raises(ValueError, match="needs all of cu_seqlens_q"):
+        flashtune.explain(q, k, v, cu_seqlens_q=cu_q)
+
+
+def test_determinism_is_served_on_its_own(db, device, no_launch):
+    p = prob()
+    free = prob(deterministic=False)
+    put(db, free, "bwd", BWD_A)  # a non-deterministic backward entry only
+    det = flashtune.explain(*qkv(p, device), causal=True)
+    assert det.bwd.key.deterministic and det.bwd.source == "default"  # never served to it
+    nd = flashtune.explain(*qkv(p, device), causal=True, deterministic=False)
+    assert nd.bwd.source == "tuned" and nd.bwd_config == BWD_A
+    assert nd.bwd.key == free.key("bwd") and nd.key == det.key  # one forward key for both
+    # A deterministic entry of the next bucket serves a non-deterministic call as nearest.
+    put(db, prob(seqlen_q=128, seqlen_k=128), "bwd", BWD_A)
+    dispatch.reload()
+    other = prob(seqlen_q=128, seqlen_k=128)
+    ex = flashtune.explain(*qkv(other, device), causal=True, deterministic=False)
+    assert ex.bwd.source == "nearest" and ex.bwd.entry.key.deterministic
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashtune.explain(*qkv(p, device), deterministic=None)
+
+
+def test_the_backward_of_a_call_looks_up_its_kind(db, device):
+    from flashtune.dispatch._state import fast
+
+    p = prob()
+    put(db, prob(deterministic=False), "bwd", BWD_A)
+    for flag in (False, True):
+        q, k, v = qkv(p, device, grad=True)
+        flashtune.flash_attention(q, k, v, causal=True, deterministic=flag).sum().backward()
+    chosen = {fk[-1]: cfg for fk, cfg in fast.items() if fk[0] == "bwd"}
+    assert chosen[False] == BWD_A and chosen[True] == default_bwd(p)
+
+
+def test_a_packed_call_misses_and_is_recorded_under_its_packed_key(db, device):
+    import flashtune.kernels.varlen  # noqa: F401  (the dispatcher resolves varlen calls)
+
+    packed = prob(batch=3, total_q=150, total_k=150, deterministic=False)
+    q, k, v, cu_q, cu_k, mq, mk = _packed_qkv(packed, device)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    flashtune.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True,
+                                     deterministic=False).sum().backward()
+    assert dispatch.flush_misses(30)
+    with open_storage(db, read_only=True) as st:
+        got = {key: example for key, _, example in st.misses()}
+    assert set(got) == {packed.key("fwd"), packed.key("bwd")}
+    assert all(key.packed and key.tokens_bucket == 256 for key in got)
+    assert not packed.key("bwd").deterministic and got[packed.key("bwd")] == packed

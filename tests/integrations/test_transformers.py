@@ -159,3 +159,17 @@ def test_llama_packed_and_padded_steps_match_sdpa_gpu_longer(seed, flash_kwargs)
     _compare(LlamaForCausalLM, LlamaConfig, "cuda", seed, batch=batch, path="packed",
              ref_batch=padded)
     _compare(LlamaForCausalLM, LlamaConfig, "cuda", seed, batch=padded, path="padded")
+
+
+def test_the_backward_kind_passes_through(device, seed):
+    from flashtune.dispatch._state import fast
+
+    q = torch.randn(1, 4, 16, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 16, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    for flag in (False, None):  # transformers' kwarg, and its absence (deterministic)
+        kw = {} if flag is None else {"deterministic": flag}
+        out, _ = ft_hf.attention_forward(torch.nn.Module(), q, k, v, None, **kw)
+        out.float().sum().backward()
+    kinds = sorted(fk[-1] for fk in fast if fk[0] == "bwd")
+    assert kinds == [False, True]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import multiprocessing as mp
 import random
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,7 +70,8 @@ def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64
 
 def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
                bwd: BwdConfig | None = None, layout: str = "bhsd", backward: bool = True,
-               gen: torch.Generator | None = None) -> dict[str, float]:
+               gen: torch.Generator | None = None, deterministic: bool = True,
+               ) -> dict[str, float]:
     """Run flash_attention (+ backward) and assert the 2x rule on out, lse, dq, dk, dv."""
     fwd = fwd or default_fwd(p)
     bwd = bwd or default_bwd(p)
@@ -78,7 +83,8 @@ def check_case(p: Problem, device: str, *, fwd: FwdConfig | None = None,
     if layout == "bshd":
         assert qg.data_ptr() == q_ptr  # the view itself reaches the kernel, uncopied
     out, lse = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
-                               softcap=p.softcap, return_lse=True, config=(fwd, bwd))
+                               softcap=p.softcap, return_lse=True, config=(fwd, bwd),
+                               deterministic=deterministic)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (p.batch, p.heads_q, p.seqlen_q) and lse.dtype == torch.float32
     grads = None
@@ -135,5 +141,46 @@ def case_problem(c: tuple) -> Problem:
     return Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
 
 
+def random_problem(rng: random.Random, deterministic: bool = True) -> Problem:
+    """An odd-shaped problem for the Hopper kernels' random-config runs: D 64 or 128, any
+    lengths below 900, GQA, causal, window and softcap at random."""
+    hk = rng.choice([1, 2, 4])
+    return Problem(rng.randint(1, 2), hk * rng.choice([1, 2]), hk, rng.randint(1, 900),
+                   rng.randint(1, 900), rng.choice([64, 128]), rng.choice(["fp16", "bf16"]),
+                   rng.random() < 0.5, rng.choice([(-1, -1), (-1, -1), (64, 16)]),
+                   rng.choice([0.0, 0.0, 20.0]), deterministic=deterministic)
+
+
 def replace(cfg, **kw):  # type: ignore[no-untyped-def]
     return dataclasses.replace(cfg, **kw)
+
+
+# ----------------------------------------------------------------------------- GPU watchdog
+
+
+def _watched_child(module: str, name: str, seed: int, conn: Any) -> None:
+    try:
+        conn.send(("ok", getattr(importlib.import_module(module), name)(seed)))
+    except BaseException:  # report anything, the parent decides
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_watched(module: str, name: str, seed: int, timeout_s: float) -> list[str]:
+    """Run ``module.name(seed)`` in a child process and return its list of failures; fail
+    the test if it does not finish in ``timeout_s`` (a barrier mistake in a Gluon kernel
+    hangs the GPU: the watchdog turns that into a failed test instead of a hung run)."""
+    import pytest
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_watched_child, args=(module, name, seed, child), daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(timeout_s):
+        proc.kill()
+        proc.join()
+        pytest.fail(f"watchdog: {name} did not finish in {timeout_s:.0f} s (a hung barrier?)")
+    status, payload = parent.recv()
+    proc.join()
+    assert status == "ok", payload
+    return payload  # type: ignore[no-any-return]

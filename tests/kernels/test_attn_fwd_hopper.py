@@ -8,9 +8,7 @@ turns that into a failed test instead of a hung run.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
-import traceback
 from typing import Any
 
 import pytest
@@ -80,19 +78,13 @@ def _random_configs(seed: int) -> list[str]:
     """30 random feasible Hopper configs, each on a random odd-shaped problem."""
     import torch
 
-    from flashtune.problem import Problem
-
-    from .helpers import check_case
+    from .helpers import check_case, random_problem
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     failures = []
     for _ in range(30):
-        hk = rng.choice([1, 2, 4])
-        p = Problem(rng.randint(1, 2), hk * rng.choice([1, 2]), hk, rng.randint(1, 900),
-                    rng.randint(1, 900), rng.choice([64, 128]), rng.choice(["fp16", "bf16"]),
-                    rng.random() < 0.5, rng.choice([(-1, -1), (-1, -1), (64, 16)]),
-                    rng.choice([0.0, 0.0, 20.0]))
+        p = random_problem(rng)
         (cfg,) = _hopper_configs(p, rng, 1)[-1:]
         try:
             check_case(p, "cuda", fwd=cfg, backward=False, gen=gen)
@@ -122,28 +114,11 @@ def _bit_identical(seed: int) -> list[str]:
     return failures
 
 
-def _child(name: str, seed: int, conn: Any) -> None:
-    try:
-        conn.send(("ok", globals()[name](seed)))
-    except BaseException:  # report anything, the parent decides
-        conn.send(("error", traceback.format_exc()))
-
-
 def _watched(name: str, seed: int) -> list[str]:
     """Run ``name(seed)`` in a child process; fail the test if it hangs."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(name, seed, child), daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(WATCHDOG_S):
-        proc.kill()
-        proc.join()
-        pytest.fail(f"watchdog: {name} did not finish in {WATCHDOG_S:.0f} s (a hung barrier?)")
-    status, payload = parent.recv()
-    proc.join()
-    assert status == "ok", payload
-    return payload  # type: ignore[no-any-return]
+    from .helpers import run_watched
+
+    return run_watched(__name__, name, seed, WATCHDOG_S)
 
 
 @pytest.fixture

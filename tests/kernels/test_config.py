@@ -60,6 +60,10 @@ def test_defaults_are_feasible_everywhere(d: int, s: int) -> None:
     p = Problem(2, 8, 2, s, max(s // 2, 1), d, "bf16", True)
     check_fwd(default_fwd(p), p)
     check_bwd(default_bwd(p), p)
+    for variant in (config.BWD_TWO_KERNEL, config.BWD_ONE_LAUNCH):
+        assert default_bwd(p, variant).variant == variant
+    free = Problem(2, 8, 2, s, max(s // 2, 1), d, "bf16", True, deterministic=False)
+    assert default_bwd(free, config.BWD_ATOMIC).variant == config.BWD_ATOMIC
 
 
 def test_infeasible_configs_are_rejected_with_a_reason() -> None:
@@ -136,3 +140,86 @@ def test_tma_rule_matches_ptxas_records(monkeypatch: pytest.MonkeyPatch) -> None
     # Over-rejection is allowed (the rule is coarse) but must stay small.
     n_ok = sum(r["result"] == "ok" for r in recs)
     assert kept_ok >= 0.95 * n_ok, (kept_ok, n_ok)
+
+
+# ----------------------------------------------------------------------------- bwd variants
+
+
+def test_bwd_variants_use_their_own_knobs_and_leave_the_rest_at_defaults() -> None:
+    # The Hopper variant's own knobs are tested in test_config_hopper_bwd.py.
+    fields = {f for f in config_fields(BwdConfig) if not f.startswith("hopper_")}
+    two, atomic, one = (set(config.active_fields(BwdConfig, v)) for v in
+                        (config.BWD_TWO_KERNEL, config.BWD_ATOMIC, config.BWD_ONE_LAUNCH))
+    assert two == fields - {"dkdv_atomic_tma"}
+    # Atomic dQ: no dQ kernel loop (keys, stages); the finishing kernel has rows and warps.
+    assert atomic == fields - {"dq_block_n", "dq_stages"}
+    # One launch: one num_warps / num_stages, the dK/dV ones.
+    assert one == fields - {"dq_warps", "dq_stages", "dkdv_atomic_tma"}
+    p = Problem(1, 2, 2, 256, 256, 64, deterministic=False)
+    for cfg, name in ((BwdConfig(variant=config.BWD_ATOMIC, dq_block_n=64), "dq_block_n"),
+                      (BwdConfig(variant=config.BWD_ONE_LAUNCH, dq_warps=8), "dq_warps"),
+                      (BwdConfig(dkdv_atomic_tma=1), "dkdv_atomic_tma")):
+        with pytest.raises(InfeasibleConfigError, match=f"{name}=.* has no meaning for the "):
+            check_bwd(cfg, p)
+
+
+def test_bwd_variant_feasibility_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    det = Problem(1, 2, 2, 256, 256, 64)
+    free = Problem(1, 2, 2, 256, 256, 64, deterministic=False)
+    assert det.deterministic  # the default, as flash_attention's
+    atomic = BwdConfig(variant=config.BWD_ATOMIC)
+    with pytest.raises(InfeasibleConfigError, match="serves only deterministic=False"):
+        check_bwd(atomic, det)
+    check_bwd(atomic, free)
+    for p in (det, free):
+        check_bwd(BwdConfig(variant=config.BWD_ONE_LAUNCH), p)
+        # Under the interpreter (CI) the Gluon backward cannot run, with the reason.
+        with pytest.raises(InfeasibleConfigError, match="bwd hopper: the CPU interpreter"):
+            check_bwd(BwdConfig(variant=config.BWD_HOPPER), p)
+    assert config.BWD_VARIANT_NAMES[config.BWD_HOPPER] == "hopper"
+    # The descriptor reduce-add only where the device has it, with the reason otherwise.
+    tma = BwdConfig(variant=config.BWD_ATOMIC, dkdv_atomic_tma=1)
+    monkeypatch.setattr(config, "descriptor_reduce_support", lambda: "the device is sm80")
+    with pytest.raises(InfeasibleConfigError, match="dkdv_atomic_tma=1: the device is sm80"):
+        check_bwd(tma, free)
+    monkeypatch.setattr(config, "descriptor_reduce_support", lambda: "")
+    check_bwd(tma, free)
+    # Staging the fp32 dQ tile for TMA costs shared memory the pointer path does not use.
+    big = BwdConfig(variant=config.BWD_ATOMIC, dkdv_atomic_tma=1, dkdv_block_m=32,
+                    dkdv_block_n=128, dkdv_warps=8, dkdv_stages=3)
+    need = smem_dkdv(big, 64)
+    ok, why = is_feasible(big, free, smem_bytes=need + 1024)
+    assert not ok and "bwd dkdv: estimated shared memory" in why, why
+    assert is_feasible(BwdConfig(**{**config_to_dict(big), "dkdv_atomic_tma": 0}), free,
+                       smem_bytes=need + 1024)[0]
+
+
+def test_bwd_one_launch_checks_both_programs_with_the_launch_knobs() -> None:
+    p = Problem(1, 2, 2, 4096, 4096, 256)
+    # The dQ programs run with dkdv_warps: 16 warps for a 32-row dQ tile leave warps idle.
+    with pytest.raises(InfeasibleConfigError, match="bwd dq: 16 warps for a 32-row tile"):
+        check_bwd(BwdConfig(variant=config.BWD_ONE_LAUNCH, dkdv_block_m=16, dkdv_block_n=128,
+                            dkdv_warps=16, dq_block_m=32), p)
+    # ... and with dkdv_stages: a deep dQ pipeline that the two-kernel variant would fit
+    # with its own (default) dq_stages does not fit in one launch.
+    c = dict(dkdv_block_m=16, dkdv_block_n=16, dkdv_stages=6, dq_block_m=64, dq_block_n=64)
+    check_bwd(BwdConfig(**c), p)
+    with pytest.raises(InfeasibleConfigError, match="bwd one launch: estimated shared memory"):
+        check_bwd(BwdConfig(variant=config.BWD_ONE_LAUNCH, **c), p)
+
+
+def test_bwd_default_is_deterministic_for_either_kind_of_problem() -> None:
+    for det in (True, False):
+        p = Problem(2, 8, 2, 1000, 1000, 128, "bf16", True, deterministic=det)
+        cfg = default_bwd(p)
+        assert cfg.variant != config.BWD_ATOMIC
+        check_bwd(cfg, p)
+    # The default tiles as another variant: the knobs it does not use back at defaults.
+    p = Problem(2, 8, 2, 1000, 1000, 128, "bf16", True)
+    one = default_bwd(p, config.BWD_ONE_LAUNCH)
+    assert (one.dq_warps, one.dq_stages) == (BwdConfig().dq_warps, BwdConfig().dq_stages)
+    assert one.dkdv_block_m == default_bwd(p).dkdv_block_m
+    with pytest.raises(InfeasibleConfigError, match="serves only deterministic=False"):
+        default_bwd(p, config.BWD_ATOMIC)
+    with pytest.raises(InfeasibleConfigError, match="bwd hopper: the CPU interpreter"):
+        default_bwd(p, config.BWD_HOPPER)

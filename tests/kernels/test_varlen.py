@@ -11,7 +11,15 @@ import torch
 import flashtune
 from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import Packed, attn_fwd
-from flashtune.kernels.config import BwdConfig, FwdConfig, default_bwd, default_fwd
+from flashtune.kernels.config import (
+    BWD_ATOMIC,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    FwdConfig,
+    default_bwd,
+    default_fwd,
+)
 from flashtune.kernels.reference import varlen_reference_errors, within_rule
 from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem, default_scale
@@ -46,7 +54,7 @@ def make_packed(lens_q: list[int], lens_k: list[int], hq: int, hk: int, d: int, 
 def check_varlen(lens_q: list[int], lens_k: list[int], hq: int, hk: int, d: int, dtype: str,
                  causal: bool, window: tuple[int, int], softcap: float, device: str,
                  seed: int, fwd: FwdConfig | None = None, bwd: BwdConfig | None = None,
-                 ) -> tuple[torch.Tensor, ...]:
+                 deterministic: bool = True) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = make_packed(lens_q, lens_k, hq, hk, d, dtype, device, gen)
     packed = Packed(cu_seqlens(lens_q, device), cu_seqlens(lens_k, device), max(lens_q),
@@ -57,7 +65,8 @@ def check_varlen(lens_q: list[int], lens_k: list[int], hq: int, hk: int, d: int,
               packed=packed)
     o, lse = attn_fwd(q, k, v, config=fwd or default_fwd(p), **kw)
     assert o.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == torch.float32
-    grads = attn_bwd(do, q, k, v, o, lse, config=bwd or default_bwd(p), **kw)
+    grads = attn_bwd(do, q, k, v, o, lse, config=bwd or default_bwd(p),
+                     deterministic=deterministic, **kw)
     errs, terrs = varlen_reference_errors(q, k, v, packed.cu_q, packed.cu_k, do, o, lse, grads,
                                           causal=causal, softmax_scale=None, window_size=window,
                                           softcap=softcap)
@@ -99,6 +108,20 @@ def test_varlen_random_configs(device: str, seed: int) -> None:
     check_varlen(lens_q, lens_k, 2, 1, 32, "bf16", True, (-1, -1), 0.0, device, seed,
                  fwd=random_config(FwdConfig, p, rng, max_block=32),
                  bwd=random_config(BwdConfig, p, rng, max_block=32))
+
+
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH])
+def test_varlen_every_backward_variant(variant: int, device: str, seed: int) -> None:
+    """Packed batches run every portable backward variant (GQA, causal bottom-right per
+    sequence, empty and length-1 sequences)."""
+    rng = random.Random(seed)
+    lens_q, lens_k = random_lengths(rng, 4, 1, 40), random_lengths(rng, 4, 1, 50)
+    det = variant != BWD_ATOMIC
+    p = Problem(4, 4, 2, max(lens_q), max(lens_k), 40, "fp16", True, deterministic=det,
+                total_q=sum(lens_q), total_k=sum(lens_k))
+    check_varlen(lens_q, lens_k, 4, 2, 40, "fp16", True, (-1, -1), 0.0, device, seed,
+                 bwd=random_config(BwdConfig, p, rng, max_block=32, variant=variant),
+                 deterministic=det)
 
 
 def test_varlen_equals_dense_per_sequence_and_is_deterministic(device: str, seed: int) -> None:

@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtune.kernels.config import BwdConfig, FwdConfig
+from flashtune.kernels.config import (
+    BWD_ATOMIC,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    FwdConfig,
+    default_bwd,
+)
 from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem
 
@@ -50,8 +57,23 @@ def test_varlen_random_large_configs(seed: int) -> None:
                      bwd=random_config(BwdConfig, p, rng, max_block=128, max_stages=4))
 
 
-def test_varlen_64_sequences_64k_tokens_bit_identical(seed: int) -> None:
-    """The benchmark's shape: gradients bit-identical from run to run, outputs finite."""
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH])
+def test_varlen_every_backward_variant_large(variant: int, seed: int) -> None:
+    rng = random.Random(seed)
+    lens = random_lengths(rng, 8, 100, 2000)
+    det = variant != BWD_ATOMIC
+    p = Problem(8, 16, 4, max(lens), max(lens), 128, "bf16", True, deterministic=det,
+                total_q=sum(lens), total_k=sum(lens))
+    for _ in range(3):
+        check_varlen(lens, lens, 16, 4, 128, "bf16", True, (-1, -1), 0.0, "cuda", seed,
+                     bwd=random_config(BwdConfig, p, rng, max_block=128, max_stages=4,
+                                       variant=variant), deterministic=det)
+
+
+@pytest.mark.parametrize("variant", [None, BWD_TWO_KERNEL, BWD_ONE_LAUNCH])
+def test_varlen_64_sequences_64k_tokens_bit_identical(variant: int | None, seed: int) -> None:
+    """The benchmark's shape: gradients bit-identical from run to run, outputs finite, for
+    the default backward and each deterministic variant."""
     import math
 
     rng = random.Random(seed)
@@ -59,10 +81,15 @@ def test_varlen_64_sequences_64k_tokens_bit_identical(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = make_packed(lens, lens, 32, 8, 128, "bf16", "cuda", gen)
     cu = cu_seqlens(lens, "cuda")
+    cfg = None
+    if variant is not None:
+        p = Problem(64, 32, 8, max(lens), max(lens), 128, "bf16", True, total_q=sum(lens),
+                    total_k=sum(lens))
+        cfg = default_bwd(p, variant)
 
     def run() -> tuple[torch.Tensor, ...]:
         xs = [t.detach().requires_grad_() for t in (q, k, v)]
-        o = flash_attn_varlen_func(*xs, cu, cu, max(lens), max(lens), causal=True)
+        o = flash_attn_varlen_func(*xs, cu, cu, max(lens), max(lens), causal=True, config=cfg)
         return (o, *torch.autograd.grad(o, xs, do))
 
     a, b = run(), run()

@@ -1,0 +1,279 @@
+"""Host time per call at a tiny shape, flashtune beside SDPA in the same process, and where
+flashtune's remaining microseconds go.
+
+    PYTHONPATH=. python3 benchmarks/bench_overhead.py --out overhead.json [--n 2000]
+
+Shape: B=1, H=1, S=128, D=64, bf16, causal and not. A kernel there runs for a few
+microseconds, so a loop of calls is bound by the host. For each case (forward under
+no_grad; forward + backward through ``torch.autograd.grad``) and implementation
+(flashtune through the dispatcher; SDPA's default backend; SDPA's FLASH_ATTENTION
+backend), after a warm-up:
+
+- **idle**: wall time per call over a loop of ``--n`` calls, ``torch.cuda.synchronize``
+  at both ends (the issue's measure);
+- **busy**: host time per call over ``--n-busy`` calls queued behind a chain of large
+  matmuls on the same stream, so the GPU never waits for the host and the host never for
+  the GPU (the loop stays below the launch queue's depth): the pure host cost.
+
+The breakdown times each layer of flashtune's no-grad forward and of its backward in a
+loop of its own: the signature cache, what a first sight adds (validation, the problem
+key, the dispatcher's lookup), the output allocations, one bound launch against one
+``kernel[grid]`` launch, and the autograd Function. flashtune runs with an empty tuning
+database (heuristic configs) unless ``FLASHTUNE_DB`` is set. Needs CUDA; runs on torch and
+triton alone (no install: the project on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SHAPE = (1, 1, 128, 64)  # B, H, S, D
+SCALE = SHAPE[-1] ** -0.5
+
+
+def _setup_db() -> str:
+    """An empty tuning database unless FLASHTUNE_DB names one (heuristic configs)."""
+    if os.environ.get("FLASHTUNE_DB"):
+        return os.environ["FLASHTUNE_DB"]
+    path = os.path.join(tempfile.mkdtemp(prefix="flashtune-bench-"), "tuning.db")
+    os.environ["FLASHTUNE_DB"] = path
+    try:
+        from flashtune.db import open_storage
+
+        open_storage(path).close()
+    except Exception as e:  # no database stack here: the dispatcher warns once, goes on
+        print(f"(no tuning database: {type(e).__name__}: {e})")
+    return path
+
+
+def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
+    q, k, v, do = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return (*(t.requires_grad_(grad) for t in (q, k, v)), do)
+
+
+def _fwd(fn: Callable[..., torch.Tensor], causal: bool) -> Callable[[], Any]:
+    q, k, v, _ = _inputs(False)
+
+    def call() -> None:
+        with torch.no_grad():
+            fn(q, k, v, causal)
+
+    return call
+
+
+def _fwd_bwd(fn: Callable[..., torch.Tensor], causal: bool) -> Callable[[], Any]:
+    q, k, v, do = _inputs(True)
+    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+
+
+def _idle(call: Callable[[], Any], n: int) -> float:
+    for _ in range(max(50, n // 20)):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _busy(call: Callable[[], Any], n: int, cover_s: float) -> float:
+    """Host time per call of ``n`` calls queued behind ``cover_s`` seconds of matmuls."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    a @ a
+    torch.cuda.synchronize()
+    per = time.perf_counter() - t0
+    for _ in range(max(1, int(cover_s / per) + 1)):
+        a @ a
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / n * 1e6
+
+
+def _per_call(fn: Callable[[], Any], n: int, runs: int = 5) -> float:
+    """Median over ``runs`` of the host time per call of ``n`` calls (no synchronize)."""
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def implementations() -> dict[str, Callable[..., torch.Tensor]]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashtune
+
+    def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return {
+        "flashtune": lambda q, k, v, c: flashtune.flash_attention(q, k, v, causal=c),
+        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+        "sdpa_flash": sdpa_flash,
+    }
+
+
+def bench_cases(n: int, n_busy: int) -> list[dict[str, Any]]:
+    rows = []
+    for causal in (False, True):
+        for case, make in (("fwd", _fwd), ("fwd+bwd", _fwd_bwd)):
+            row: dict[str, Any] = {"case": case, "causal": causal}
+            for name, fn in implementations().items():
+                call = make(fn, causal)
+                idle = _idle(call, n)
+                cover = 3 * idle * n_busy / 1e6 + 0.05  # seconds of matmuls ahead of the loop
+                row[name] = {"idle_us": idle, "busy_us": _busy(call, n_busy, cover)}
+            for mode in ("idle_us", "busy_us"):
+                row[f"ratio_{mode[:-3]}"] = row["flashtune"][mode] / row["sdpa"][mode]
+            rows.append(row)
+    return rows
+
+
+def breakdown(causal: bool, n: int) -> dict[str, float]:
+    """Host microseconds per call of each layer of flashtune's path (see the module doc)."""
+    from flashtune import dispatch
+    from flashtune.kernels import _autograd, attention
+    from flashtune.kernels._bound import descriptor_like
+    from flashtune.kernels.attention import call_plan, flash_attention
+    from flashtune.problem import Problem
+
+    q, k, v, do = _inputs(False)
+    qg, kg, vg, _ = _inputs(True)
+    window = (-1, -1)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=causal)
+    plan = call_plan(q, k, v, causal, None, window, 0.0, True, None)
+    o, lse = plan.forward(q, k, v)
+    plan.backward(do, q, k, v, o, lse)
+    fwd = plan.fwd
+    assert fwd is not None
+    launch = fwd.hopper.launch if fwd.hopper is not None else fwd.launch
+    if fwd.hopper is not None:
+        tq, tk, tv = fwd.hopper.templates
+        values: tuple[Any, ...] = (descriptor_like(tq, q), descriptor_like(tk, k),
+                                   descriptor_like(tv, v), o, lse)
+    elif fwd.descriptors is not None:
+        td, tv = fwd.descriptors
+        values = (q, k, v, o, lse, descriptor_like(td, k), descriptor_like(tv, v), q, q)
+    else:
+        values = (q, k, v, o, lse, k, v, q, q)
+    jit_args = list(values) + launch.args[launch.n_dynamic:]
+    bwd = next(iter(plan.bwd.values()))
+
+    def jit() -> None:
+        launch.kernel[launch.grid](*jit_args, **launch.kwargs)
+
+    def apply_fwd() -> None:
+        _autograd.Attention.apply(plan, qg, kg, vg)
+
+    parts: dict[str, Callable[[], Any]] = {
+        "is_compiling + needs_grad": lambda: (torch.compiler.is_compiling(),
+                                              attention.needs_grad(q, k, v)),
+        "signature key + plan lookup (hit)": lambda: call_plan(q, k, v, causal, None, window,
+                                                               0.0, True, None),
+        "first sight only: validate": lambda: attention.validate(q, k, v, causal, None,
+                                                                 window, 0.0),
+        "first sight only: problem key": lambda: Problem.from_tensors(
+            q, k, causal=causal).key("fwd"),
+        "first sight only: dispatch.resolve (hit)": lambda: dispatch.resolve(
+            "fwd", q, k, causal, window, 0.0),
+        "alloc O + LSE": lambda: (torch.empty_like(q),
+                                  torch.empty(fwd.lse_shape if fwd.hopper is None
+                                              else fwd.hopper.lse_shape,
+                                              device=q.device, dtype=torch.float32)),
+        "fwd launch, bound": lambda: launch(*values),
+        "fwd launch, kernel[grid]": jit,
+        "plan.forward (alloc + launch)": lambda: plan.forward(q, k, v),
+        "flash_attention, no grad": lambda: flash_attention(q, k, v, causal=causal),
+        "Attention.apply forward (grad)": apply_fwd,
+        "bwd: 3 bound launches + alloc": lambda: bwd(do, q, k, v, o, lse),
+    }
+    out = {}
+    with torch.no_grad():
+        for name, fn in parts.items():
+            if name.startswith("Attention"):
+                with torch.enable_grad():
+                    out[name] = _per_call(fn, n)
+            else:
+                out[name] = _per_call(fn, n)
+    return out
+
+
+def _versions() -> dict[str, Any]:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "commit": commit}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--n", type=int, default=2000, help="calls per idle loop (default 2000)")
+    ap.add_argument("--n-busy", type=int, default=150,
+                    help="calls per busy loop, under the launch queue's depth (default 150)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_overhead needs a CUDA GPU (host overhead is a GPU-host measure)")
+    db = _setup_db()
+    out: dict[str, Any] = {**_versions(), "shape": {"B": 1, "H": 1, "S": 128, "D": 64,
+                                                    "dtype": "bf16"},
+                           "n": args.n, "n_busy": args.n_busy, "database": db}
+    print(f"{out['device']}, torch {out['torch']}, triton {out['triton']}, "
+          f"commit {out['commit']}, {out['date']}")
+    out["cases"] = bench_cases(args.n, args.n_busy)
+    print("\n| case | causal | flashtune idle | SDPA idle | ratio | flashtune busy | "
+          "SDPA busy | ratio | SDPA-FA2 idle |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in out["cases"]:
+        f, s = r["flashtune"], r["sdpa"]
+        print(f"| {r['case']} | {r['causal']} | {f['idle_us']:.1f} us | {s['idle_us']:.1f} us | "
+              f"{r['ratio_idle']:.2f}x | {f['busy_us']:.1f} us | {s['busy_us']:.1f} us | "
+              f"{r['ratio_busy']:.2f}x | {r['sdpa_flash']['idle_us']:.1f} us |")
+    out["breakdown"] = {str(c): breakdown(c, args.n) for c in (False, True)}
+    print("\nwhere flashtune's host time goes (us per call; causal False / True):")
+    names = list(out["breakdown"]["False"])
+    for name in names:
+        a, b = out["breakdown"]["False"][name], out["breakdown"]["True"][name]
+        print(f"  {name:42s} {a:7.2f} {b:7.2f}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

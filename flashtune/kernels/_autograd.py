@@ -1,0 +1,75 @@
+"""The one autograd wiring of every attention entry point, dense and packed: what the
+forward saves, and how the backward turns it into dq, dk and dv.
+
+Two ways in share it:
+
+- eager calls go through :class:`Attention`, a ``torch.autograd.Function`` over a
+  :class:`~flashtune.kernels._plans.Plan`: the plan's prepared launches run directly,
+  with no custom-op dispatch in between;
+- torch.compile sees the ``torch.library`` custom ops, whose autograd :func:`register`
+  wires with the same :func:`save` and :func:`grads`, the backward staying inside the
+  op graph (the backward op).
+
+Both save the forward's tensor inputs (q, k, v, then a packed batch's prefix sums), O
+and the LSE, and a backward callable with its non-tensor arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from flashtune.kernels._plans import Plan
+
+
+def save(ctx: Any, inputs: Sequence[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
+         backward: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Save for :func:`grads`: ``backward(do, q, k, v, o, lse, *rest_of_inputs, *args)``
+    gives (dq, dk, dv)."""
+    ctx.save_for_backward(*inputs, o, lse)
+    ctx.backward_fn = backward
+    ctx.backward_args = args
+    ctx.mark_non_differentiable(lse)
+
+
+def grads(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, *rest = ctx.saved_tensors
+    *extra, o, lse = rest
+    dq, dk, dv = ctx.backward_fn(do, q, k, v, o, lse, *extra, *ctx.backward_args)
+    return dq, dk, dv
+
+
+class Attention(torch.autograd.Function):
+    """Eager autograd: ``Attention.apply(plan, q, k, v, *prefix_sums)`` -> (O, LSE)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                *cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = plan.forward(q, k, v, *cu)
+        save(ctx, (q, k, v, *cu), o, lse, plan.backward, ())
+        return o, lse
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+        n_cu = len(ctx.saved_tensors) - 5
+        return (None, *grads(ctx, do), *(None,) * n_cu)
+
+
+def register(fwd_op: Any, bwd_op: Any) -> None:
+    """Autograd for a forward custom op taking (q, k, v, *tensors, *scalars, fwd_config,
+    bwd_config), whose backward op takes (do, q, k, v, o, lse, *tensors, *scalars,
+    bwd_config): the scalars and configs in the forward's order, less the forward config."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        n = sum(isinstance(x, torch.Tensor) for x in inputs)
+        args = inputs[n:-2] + inputs[-1:]
+        o, lse = output
+        save(ctx, inputs[:n], o, lse, bwd_op, args)
+        ctx.n_inputs = len(inputs)
+
+    def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+        return (*grads(ctx, do), *(None,) * (ctx.n_inputs - 3))
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)

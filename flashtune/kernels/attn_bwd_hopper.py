@@ -1,0 +1,460 @@
+"""FlashAttention backward for Hopper (sm90), FA3-style, written in Gluon: five products.
+
+One program holds a K/V tile of ``BLOCK_N = 64 * CONSUMERS`` keys of one KV head and walks
+every query tile that can see it (for GQA, of every query head of the group, in order):
+
+- a **producer** partition (the default one) loads the K/V tile once and streams Q and dO
+  tiles of ``BLOCK_M`` rows through a ring of ``STAGES`` shared-memory buffers with TMA,
+  each guarded by a full/empty mbarrier pair;
+- **consumer** warpgroups, one per 64 keys, work in the transposed orientation (rows are
+  keys, columns queries), so P and dS come out of the tensor cores already as the left
+  operands of dV and dK and stay in registers:
+
+      Sᵀ = K·Qᵀ,  dPᵀ = V·dOᵀ,  Pᵀ = exp2(Sᵀ·scale - LSE),  dSᵀ = Pᵀ ∘ (dPᵀ - Δ)
+      dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ(tile) = dS·K   (dSᵀ through shared memory)
+
+  Five matrix products per tile pair, none recomputed. The dQ contributions are added
+  into an fp32 accumulator in global memory; a small kernel casts it at the end.
+
+**Order of the dQ sums.** Without ``DETERMINISTIC`` each consumer stages its keys' share
+of the dQ tile in shared memory and adds it with one TMA reduce-add: fast, but the fp32
+sum order varies from run to run. With it, the two consumers split dQ's columns instead
+(each multiplies the whole dS tile by its half of K), and each (query tile, column half)
+has a semaphore: the key tiles add their contributions from registers in a fixed order,
+each waiting until the count equals its rank (see ``_dq_turn``). dK and dV never race: one
+program owns each key tile, and GQA heads are summed in order.
+
+The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
+rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. Rows past a
+sequence's end come back from TMA as zeros; their LSE reads as +inf (P = 0).
+
+This module imports Gluon's Hopper API at import time: import it only where
+``flashtune.kernels.config.hopper_support()`` says the variant can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
+from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
+from flashtune.kernels.config import BwdConfig
+
+
+@builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """global[box at ``coord``] += shared ``src``, as one bulk TMA reduction
+    (``cp.reduce.async.bulk.tensor``). Gluon 3.6 has no wrapper for the op it already
+    builds for descriptor atomics; completion is waited for like a TMA store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord,
+                                              src.handle)
+
+
+LOG2E = gl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log LSE -> log2 domain
+
+
+@gluon.jit
+def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                  kv_ready, q_full, q_empty, do_full, do_empty,
+                  heads_kv, seq_q, offset, left, right, n_m,
+                  GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, ORDER: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    BLOCK_N: gl.constexpr = 64 * CONSUMERS
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    pid_n = _key_tile(ORDER)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    n0 = pid_n * BLOCK_N
+    mbarrier.expect(kv_ready, 2 * CONSUMERS * desc_k.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        k_dst = k_smem.index(c)._reinterpret(desc_k.dtype, [1, 1, 64, D], desc_k.layout)
+        tma.async_copy_global_to_shared(desc_k, [b, hk, n0 + c * 64, 0], kv_ready, k_dst)
+        v_dst = v_smem.index(c)._reinterpret(desc_v.dtype, [1, 1, 64, D], desc_v.layout)
+        tma.async_copy_global_to_shared(desc_v, [b, hk, n0 + c * 64, 0], kv_ready, v_dst)
+    # Query tiles that see this key tile (roles swapped: offset -> -offset, left <-> right).
+    lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
+                                         MASK_RIGHT, MASK_LEFT)
+    cnt = 0
+    for g in range(GQA):
+        h = hk * GQA + g
+        for it in range((hi - lo) // BLOCK_M):
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            buf = cnt % STAGES
+            phase = ((cnt // STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(buf), phase)
+            mbarrier.expect(q_full.index(buf), desc_q.block_type.nbytes)
+            q_dst = q_smem.index(buf)._reinterpret(desc_q.dtype, [1, 1, BLOCK_M, D],
+                                                   desc_q.layout)
+            tma.async_copy_global_to_shared(desc_q, [b, h, start, 0], q_full.index(buf), q_dst)
+            mbarrier.wait(do_empty.index(buf), phase)
+            mbarrier.expect(do_full.index(buf), desc_do.block_type.nbytes)
+            do_dst = do_smem.index(buf)._reinterpret(desc_do.dtype, [1, 1, BLOCK_M, D],
+                                                     desc_do.layout)
+            tma.async_copy_global_to_shared(desc_do, [b, h, start, 0], do_full.index(buf),
+                                            do_dst)
+            cnt += 1
+
+
+@gluon.jit
+def _key_tile(ORDER: gl.constexpr):
+    """This program's key tile. ORDER 1 walks them from the last, so that the tile whose
+    dQ turn comes first is also launched first (a program only waits for earlier ones)."""
+    if ORDER == 1:
+        return gl.num_programs(0) - 1 - gl.program_id(0)
+    return gl.program_id(0)
+
+
+@gluon.jit
+def _query_tile(it, lo, n_m, pid_n, ORDER: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Start row of the ``it``-th query tile a program visits. ORDER 2 (no mask: every
+    program visits all ``n_m`` tiles) starts each key tile's walk at its own offset and
+    wraps around, so the programs of one head reach each query tile one after another
+    instead of all at once."""
+    if ORDER == 2:
+        first = pid_n * n_m // gl.num_programs(0)
+        return ((first + it) % n_m) * BLOCK_M
+    return lo + it * BLOCK_M
+
+
+@gluon.jit
+def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, left, right,
+             CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, ORDER: gl.constexpr,
+             MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """This consumer's place in the fixed order of dQ contributions to one query tile, and
+    that tile's semaphore. The key tiles that see a query tile form a run [first, last];
+    they take turns in the order they reach it when programs advance in step: ORDER 0
+    ascending; ORDER 1 (masked: a later key tile starts its walk at a later query tile, so
+    it reaches each query tile sooner) descending; ORDER 2 cyclically, from the key tile
+    whose walk started at or last before the query tile. Each consumer adds its own
+    columns of dQ, so each has its own semaphore."""
+    BLOCK_N: gl.constexpr = 64 * CONSUMERS
+    n_n = gl.num_programs(0)
+    m = start // BLOCK_M
+    if ORDER == 2:
+        lead = ((m + 1) * n_n + n_m - 1) // n_m - 1
+        rank = (lead - pid_n + n_n) % n_n
+    else:
+        first, _a, _b, last = _kv_range(start, seq_k, offset, left, right, BLOCK_M, BLOCK_N,
+                                        MASK_LEFT, MASK_RIGHT)
+        if ORDER == 1:
+            rank = last // BLOCK_N - 1 - pid_n
+        else:
+            rank = pid_n - first // BLOCK_N
+    return Sem + (sem_row + m) * CONSUMERS + cid, rank
+
+
+@gluon.jit
+def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                  kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
+                  LSE, Delta, desc_dq, DQ, DK, DV, Sem,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                  heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                  sm_scale, qk_scale, cap_scale, cap_log2,
+                  GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
+    BLOCK_N: gl.constexpr = 64 * CONSUMERS
+    # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_a: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    dtype: gl.constexpr = k_smem.dtype
+
+    pid_n = _key_tile(ORDER)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    heads_q = heads_kv * GQA
+    n0 = pid_n * BLOCK_N
+    keys = n0 + cid * 64 + gl.arange(0, 64, layout=row_s)
+    zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
+    SPLIT_D: gl.constexpr = DETERMINISTIC and CONSUMERS == 2
+    DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    dk = gl.zeros([64, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, D], gl.float32, layout=acc_layout)
+    k = k_smem.index(cid)
+    v = v_smem.index(cid)
+    ds_buf = ds_smem.index(cid)
+    dq_cols = gl.arange(0, D, layout=col_a)
+    lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
+                                         MASK_RIGHT, MASK_LEFT)
+    mbarrier.wait(kv_ready, 0)
+    cnt = 0
+    for g in range(GQA):
+        bh = (b * heads_q + hk * GQA + g).to(gl.int64)
+        for it in range((hi - lo) // BLOCK_M):
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            buf = cnt % STAGES
+            phase = (cnt // STAGES) & 1
+            cols = start + gl.arange(0, BLOCK_M, layout=col_s)
+            lse2 = gl.load(LSE + bh * seq_q + cols, mask=cols < seq_q, other=float("inf")) * LOG2E
+            delta = gl.load(Delta + bh * seq_q + cols, mask=cols < seq_q, other=0.0)
+            q = q_smem.index(buf)
+            do = do_smem.index(buf)
+            mbarrier.wait(q_full.index(buf), phase)
+            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf), phase)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            if SOFTCAP:
+                t = _tanh(s_t * cap_scale)
+                p_t = gl.exp2(t * cap_log2 - lse2[None, :])
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if (start < full_lo) | (start >= full_hi):
+                # Key j (row) is seen by query i (column) iff
+                # i + offset - left <= j <= i + offset + right.
+                vis = (cols[None, :] < seq_q) & (keys[:, None] < seq_k)
+                if MASK_LEFT:
+                    vis = vis & (keys[:, None] >= cols[None, :] + offset - left)
+                if MASK_RIGHT:
+                    vis = vis & (keys[:, None] <= cols[None, :] + offset + right)
+                p_t = gl.where(vis, p_t, 0.0)
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t * t)  # d/dx tanh = 1 - tanh^2
+            ds16 = (ds_t * sm_scale).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
+                               is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
+            # dQ = dS·K: each consumer's dSᵀ goes through shared memory (read transposed).
+            # In the fixed order (SPLIT_D) each consumer computes its own DQ_COLS columns
+            # over all BLOCK_N keys, so the two take their turns on disjoint columns;
+            # otherwise each adds its own keys' share of every column, and the consumers
+            # run unsynchronised (one's exponentials overlap the other's products).
+            if SPLIT_D:
+                mbarrier.wait(ds_free, (cnt & 1) ^ 1)  # the last tile's dQ products are done
+            ds_buf.store(ds16)
+            fence_async_shared()
+            gl.thread_barrier()
+            if SPLIT_D:
+                mbarrier.arrive(ds_ready, count=1)
+                mbarrier.wait(ds_ready, cnt & 1)
+                dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+                for j in gl.static_range(CONSUMERS):
+                    dq = warpgroup_mma(ds_smem.index(j).permute((1, 0)),
+                                       k_smem.index(j).slice(cid * DQ_COLS, DQ_COLS, dim=1),
+                                       dq, is_async=True)
+            else:
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+            dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+            if SPLIT_D:
+                mbarrier.arrive(ds_free, count=1)
+            mbarrier.arrive(q_empty.index(buf), count=1)
+            mbarrier.arrive(do_empty.index(buf), count=1)
+            if DETERMINISTIC:
+                rows = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                cols = cid * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+                dq_ptrs = DQ + (bh * seq_q + rows.to(gl.int64))[:, None] * D + cols[None, :]
+                dq_mask = (rows < seq_q)[:, None]
+                sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
+                                     left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
+                                     MASK_RIGHT)
+                while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                    pass
+                gl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
+                gl.thread_barrier()  # every thread's adds are issued before the release
+                gl.atomic_xchg(sem, turn + 1, sem="release")
+            else:
+                # Through shared memory as one bulk reduction; the previous one must have
+                # finished reading the buffer first.
+                dq_buf = dq_smem.index(cid)
+                tma.store_wait(0)
+                gl.thread_barrier()
+                dq_buf.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
+                                dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
+                                                    desc_dq.layout))
+            cnt += 1
+    tma.store_wait(0)
+
+    rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
+    ok = (rows_k < seq_k)[:, None]
+    rows64 = rows_k.to(gl.int64)[:, None]
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + rows64 * stride_dkn + dq_cols[None, :],
+             dk.to(dtype), mask=ok)
+    gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + rows64 * stride_dvn + dq_cols[None, :],
+             dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _attn_bwd_hopper_kernel(
+    desc_q, desc_do, desc_k, desc_v, LSE, Delta, desc_dq, DQ, DK, DV, Sem,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    heads_kv, seq_q, seq_k, left, right, n_m,
+    sm_scale, qk_scale, cap_scale, cap_log2,
+    GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    dtype: gl.constexpr = desc_q.dtype
+    offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(desc_q.layout.swizzle_byte_width, 16)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout(desc_k.layout.swizzle_byte_width, 16)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, BLOCK_M], ds_layout)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
+    if DETERMINISTIC:  # ordered atomics straight from registers
+        dq_smem = ds_smem
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, D], dq_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=CONSUMERS)
+    mbarrier.init(ds_free, count=CONSUMERS)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(do_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+        mbarrier.init(do_empty.index(i), count=CONSUMERS)
+
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                             kv_ready, q_full, q_empty, do_full, do_empty,
+                             heads_kv, seq_q, offset, left, right, n_m,
+                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                             stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                             DETERMINISTIC)),
+            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                             stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                             DETERMINISTIC)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                             kv_ready, q_full, q_empty, do_full, do_empty,
+                             heads_kv, seq_q, offset, left, right, n_m,
+                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
+                             desc_dq, DQ, DK, DV, Sem,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                             stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                             DETERMINISTIC)),
+        ], [4], [CONSUMER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
+                      mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
+                      softcap: float, config: BwdConfig, deterministic: bool,
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                 Callable[[], None]]:
+    """The (dq, dk, dv) buffers and one callable that fills them: the delta preprocess
+    (which also zeroes the fp32 dQ accumulator), the Gluon backward, and the dQ cast.
+    ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and ``scales`` (qk_scale, cap_scale,
+    cap_log2), as the portable launcher computes them. The caller has checked feasibility
+    and that TMA can describe q, k, v and do."""
+    c = config
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    left, right, mask_left, mask_right = mask
+    qk_scale, cap_scale, cap_log2 = scales
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    dq_acc = torch.empty((b, hq, sq, d), device=q.device, dtype=torch.float32)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    m, n = c.hopper_block_m, c.hopper_block_n
+    n_m = triton.cdiv(sq, m)
+    n_n = triton.cdiv(sk, n)
+    # The order of dQ turns (see _dq_turn). A program waits only for programs launched
+    # before it, except in the cyclic order (ORDER 2), where the first programs of a head
+    # wait for its last: there every key tile of a head must be resident at once, which
+    # half the SMs guarantee with room to spare.
+    if mask_left or mask_right:
+        order = 1 if deterministic else 0
+    elif deterministic:
+        order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
+    else:
+        order = 2 if c.hopper_stagger else 0
+    consumers = n // ROWS_PER_WG
+    sem = (torch.zeros((b * hq, n_m, consumers), device=q.device, dtype=torch.int32)
+           if deterministic else dq_acc)
+    descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
+             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m))
+
+    def launch() -> None:
+        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), hq, sq,
+            HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=True)
+        if deterministic:
+            sem.zero_()
+        _attn_bwd_hopper_kernel[(n_n, b * hk)](
+            *descs[:4], lse, delta, descs[4], dq_acc, dk, dv, sem,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
+            GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
+            ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
+            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, num_warps=4,
+        )
+        # dS carried the softmax scale: the cast scales by 1.
+        _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](
+            dq_acc, dq, *dq.stride(), hq, sq, 1.0, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64,
+            num_warps=4)
+
+    return (dq, dk, dv), launch

@@ -1,0 +1,121 @@
+"""The Hopper (Gluon) backward on an sm90 GPU, against the fp32 reference (2x rule).
+
+Every case runs through the public ``flash_attention`` with the backward variant forced,
+with ``deterministic`` both ways: False takes the free-order dQ reduce-adds, True the
+fixed-order turns, which must also give bit-identical gradients from run to run. Each
+group runs in a child process under the watchdog (a hung barrier fails, it does not hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+from .test_attn_fwd_hopper import CASES
+
+WATCHDOG_S = 600.0
+
+
+def _hopper_bwd_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, is_feasible
+
+    from .helpers import random_config
+
+    out = [default_bwd(p, BWD_HOPPER)]
+    seen = set(out)
+    for _ in range(200 * n):
+        if len(out) >= n:
+            break
+        c = random_config(type(out[0]), p, rng, max_block=128, max_stages=3,
+                          variant=BWD_HOPPER)
+        if c not in seen and is_feasible(c, p)[0]:
+            out.append(c)
+            seen.add(c)
+    assert all(c.variant == BWD_HOPPER for c in out), p
+    return out
+
+
+def _grid(seed: int) -> list[str]:
+    import torch
+
+    from .helpers import case_problem, check_case
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for case in CASES:
+        for det in (False, True):
+            p = dataclasses.replace(case_problem(case), deterministic=det)
+            for cfg in _hopper_bwd_configs(p, rng, 2):
+                try:
+                    check_case(p, "cuda", bwd=cfg, layout=case[-1], gen=gen,
+                               deterministic=det)
+                except AssertionError as e:
+                    failures.append(f"{case} det={det} {cfg}: {e}")
+    return failures
+
+
+def _random_configs(seed: int) -> list[str]:
+    """24 random feasible Hopper backward configs, each on a random odd-shaped problem."""
+    import torch
+
+    from .helpers import check_case, random_problem
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for _ in range(24):
+        p = random_problem(rng, deterministic=rng.random() < 0.5)
+        cfg = _hopper_bwd_configs(p, rng, 2)[-1]
+        try:
+            check_case(p, "cuda", bwd=cfg, gen=gen, deterministic=p.deterministic)
+        except AssertionError as e:
+            failures.append(str(e))
+    return failures
+
+
+def _bit_identical(seed: int) -> list[str]:
+    import torch
+
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.problem import Problem
+
+    from .helpers import make_qkv
+
+    rng = random.Random(seed)
+    failures = []
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (300, 40))):
+        p = Problem(2, 8, 2, 1500, 1700, 128, "bf16", causal, window, deterministic=True)
+        q, k, v, do = make_qkv(p, "cuda", gen=torch.Generator().manual_seed(seed))
+        for cfg in _hopper_bwd_configs(p, rng, 3):
+            grads = []
+            for _ in range(3):
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out = flash_attention(qg, kg, vg, causal=causal, window_size=window,
+                                      config=cfg, deterministic=True)
+                grads.append(torch.autograd.grad(out, (qg, kg, vg), do))
+            if not all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0],
+                                                                          strict=True)):
+                failures.append(f"{p} {cfg}: repeated deterministic backwards differ")
+    return failures
+
+
+@pytest.fixture
+def needs_hopper() -> None:
+    from flashtune.kernels.config import hopper_support
+
+    reason = hopper_support()
+    if reason:
+        pytest.skip(f"Hopper kernels cannot run here: {reason}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical"])
+def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
+    from .helpers import run_watched
+
+    failures = run_watched(__name__, group, seed, WATCHDOG_S)
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,136 @@
+"""The Hopper (Gluon) backward as a config axis (``BwdConfig.variant == BWD_HOPPER``):
+feasibility rules with reasons, the deterministic split, the heuristic default, and the
+conditional space. Numerics run on the GPU (tests/kernels/test_attn_bwd_hopper.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+import pytest
+
+from flashtune.autotune.space import SearchSpace
+from flashtune.exceptions import InfeasibleConfigError
+from flashtune.kernels import config
+from flashtune.kernels.config import (
+    BWD_HOPPER,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    active_fields,
+    check_bwd,
+    config_from_dict,
+    config_to_dict,
+    default_bwd,
+    smem_bwd_hopper,
+    variant_unavailable,
+)
+from flashtune.problem import Problem
+
+P = Problem(batch=2, heads_q=16, heads_kv=16, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+            dtype="bf16", causal=True, deterministic=False)
+HOP = BwdConfig(variant=BWD_HOPPER)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend the target checks pass, so the other rules can be tested on the CPU."""
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+
+
+def test_default_hopper_config_passes_every_rule(on_hopper: None) -> None:
+    check_bwd(HOP, P)
+    check_bwd(HOP, dataclasses.replace(P, deterministic=True))
+    check_bwd(dataclasses.replace(HOP, hopper_block_m=128, hopper_block_n=64, hopper_stages=3),
+              dataclasses.replace(P, head_dim=64))
+
+
+@pytest.mark.parametrize("change, problem_change, words", [
+    ({}, {"head_dim": 96}, "head_dim 96"),
+    ({}, {"total_q": 8000, "total_k": 8000}, "packed"),
+    ({"hopper_block_m": 128}, {}, "hopper_block_m=128 needs head_dim <= 64"),
+    ({"hopper_stages": 4}, {}, "shared memory"),  # four Q/dO stages beside the dQ tile
+    ({"dkdv_warps": 8}, {}, "dkdv_warps=8 has no meaning for the hopper kernel"),
+    ({"maxnreg": 128}, {}, "maxnreg=128 has no meaning"),
+])
+def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_change: dict,
+                                         words: str) -> None:
+    with pytest.raises(InfeasibleConfigError, match=words):
+        check_bwd(dataclasses.replace(HOP, **change), dataclasses.replace(P, **problem_change))
+
+
+def test_deterministic_runs_need_no_dq_staging(on_hopper: None) -> None:
+    """With the fixed dQ order the adds come from registers: four stages then fit."""
+    four = dataclasses.replace(HOP, hopper_stages=4)
+    assert smem_bwd_hopper(four, 128, True) < smem_bwd_hopper(four, 128, False)
+    check_bwd(four, dataclasses.replace(P, deterministic=True))
+
+
+def test_portable_config_rejects_hopper_knobs() -> None:
+    with pytest.raises(InfeasibleConfigError, match="hopper_stages=3 has no meaning"):
+        check_bwd(BwdConfig(hopper_stages=3), P)
+
+
+def test_interpreter_makes_the_variant_unavailable() -> None:
+    # The CI runs under TRITON_INTERPRET=1: no Gluon, so the variant is never sampled.
+    reason = variant_unavailable("bwd", BWD_HOPPER, P)
+    assert "bwd hopper" in reason
+    with pytest.raises(InfeasibleConfigError, match="bwd hopper"):
+        default_bwd(P, BWD_HOPPER)
+    assert default_bwd(P).variant == BWD_TWO_KERNEL
+
+
+def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
+    assert default_bwd(P).variant == BWD_HOPPER
+    # In the fixed dQ order the Hopper backward measured slower than the portable one.
+    assert default_bwd(dataclasses.replace(P, deterministic=True)).variant == BWD_TWO_KERNEL
+    # Head dims and packed batches it cannot take stay portable.
+    assert default_bwd(dataclasses.replace(P, head_dim=96)).variant == BWD_TWO_KERNEL
+    packed = dataclasses.replace(P, total_q=9000, total_k=9000)
+    assert default_bwd(packed).variant == BWD_TWO_KERNEL
+    for p in (P, dataclasses.replace(P, head_dim=64, causal=False)):
+        check_bwd(default_bwd(p), p)
+
+
+def test_active_fields_and_round_trip() -> None:
+    fields = set(active_fields(BwdConfig, BWD_HOPPER))
+    assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
+            "hopper_stagger", "pre_block_m", "variant"} == fields
+    assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
+                                                                         "variant"}
+    cfg = dataclasses.replace(HOP, hopper_block_n=64, hopper_regs=232)
+    assert config_from_dict("bwd", config_to_dict(cfg)) == cfg
+
+
+def test_space_samples_hopper_knobs_only_for_the_hopper(on_hopper: None) -> None:
+    space = SearchSpace.full("bwd")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    seen = set()
+    for _ in range(60):
+        trial = study.ask()
+        cfg = space.suggest(trial, P)
+        assert set(trial.params) == set(active_fields(BwdConfig, cfg.variant))
+        study.tell(trial, 1.0)
+        seen.add(cfg.variant)
+        default = BwdConfig()
+        for f in dataclasses.fields(cfg):
+            if f.name not in active_fields(BwdConfig, cfg.variant):
+                assert getattr(cfg, f.name) == getattr(default, f.name), (cfg, f.name)
+    assert BWD_HOPPER in seen
+    # Deterministic problems still sample it (its fixed-order mode), never the atomic one.
+    det = dataclasses.replace(P, deterministic=True)
+    assert BWD_HOPPER in space.variants(det) and 1 not in space.variants(det)
+
+
+def test_host_bound_calls_keep_the_portable_kernels(on_hopper: None) -> None:
+    """Tiny calls are bound by host time, where the Hopper launches (TMA descriptors built
+    per call) cost more than they save: both defaults stay portable there."""
+    from flashtune.kernels.config import HOPPER, default_fwd
+
+    tiny = Problem(batch=1, heads_q=1, heads_kv=1, seqlen_q=128, seqlen_k=128, head_dim=64,
+                   deterministic=False)
+    assert default_fwd(tiny).variant != HOPPER
+    assert default_bwd(tiny).variant == BWD_TWO_KERNEL
+    big = dataclasses.replace(tiny, batch=8, heads_q=16, heads_kv=16, seqlen_q=1024,
+                              seqlen_k=1024)
+    assert default_fwd(big).variant == HOPPER
+    assert default_bwd(big).variant == BWD_HOPPER
