@@ -504,6 +504,11 @@ def _fit_rows(block: int, n: int) -> int:
 HOST_BOUND_SCORES = 1 << 22
 
 
+# The shortest key sequence where the default backward for deterministic=False is the
+# Hopper kernel (see default_bwd).
+HOPPER_BWD_MIN_SEQLEN = 8192
+
+
 def host_bound(p: Problem) -> bool:
     """A call so small that host time, not the kernel, decides its speed."""
     return p.batch * p.heads_q * p.seqlen_q * p.seqlen_k < HOST_BOUND_SCORES
@@ -568,10 +573,11 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
-    if variant is None and not p.deterministic and not host_bound(p) \
-            and not _bwd_hopper_unavailable(p):
-        # Measured on the H200: the Hopper backward beats the portable one when dQ may be
-        # summed in any order; in the fixed order its turns cost more than they save.
+    if variant is None and not p.deterministic and p.seqlen_k >= HOPPER_BWD_MIN_SEQLEN \
+            and not host_bound(p) and not _bwd_hopper_unavailable(p):
+        # Measured on the H200 (BENCHMARKS.md): with dQ summed in any order the Hopper
+        # backward is 1.06-1.12x the portable one at S = 16k and even or behind below; in
+        # the fixed order its turns cost more than they save (0.5x cuDNN), so it stays out.
         variant = BWD_HOPPER
     if variant == BWD_HOPPER:
         reason = _bwd_hopper_unavailable(p)

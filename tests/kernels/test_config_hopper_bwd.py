@@ -80,12 +80,16 @@ def test_interpreter_makes_the_variant_unavailable() -> None:
 
 
 def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
-    assert default_bwd(P).variant == BWD_HOPPER
+    # Below 8k keys the portable backward measured even or faster; from there, the Hopper one.
+    assert default_bwd(P).variant == BWD_TWO_KERNEL
+    long = dataclasses.replace(P, seqlen_q=8192, seqlen_k=8192)
+    assert default_bwd(long).variant == BWD_HOPPER
+    p_long = long
     # In the fixed dQ order the Hopper backward measured slower than the portable one.
-    assert default_bwd(dataclasses.replace(P, deterministic=True)).variant == BWD_TWO_KERNEL
+    assert default_bwd(dataclasses.replace(p_long, deterministic=True)).variant == BWD_TWO_KERNEL
     # Head dims and packed batches it cannot take stay portable.
-    assert default_bwd(dataclasses.replace(P, head_dim=96)).variant == BWD_TWO_KERNEL
-    packed = dataclasses.replace(P, total_q=9000, total_k=9000)
+    assert default_bwd(dataclasses.replace(p_long, head_dim=96)).variant == BWD_TWO_KERNEL
+    packed = dataclasses.replace(p_long, total_q=9000, total_k=9000)
     assert default_bwd(packed).variant == BWD_TWO_KERNEL
     for p in (P, dataclasses.replace(P, head_dim=64, causal=False)):
         check_bwd(default_bwd(p), p)
@@ -130,7 +134,7 @@ def test_host_bound_calls_keep_the_portable_kernels(on_hopper: None) -> None:
                    deterministic=False)
     assert default_fwd(tiny).variant != HOPPER
     assert default_bwd(tiny).variant == BWD_TWO_KERNEL
-    big = dataclasses.replace(tiny, batch=8, heads_q=16, heads_kv=16, seqlen_q=1024,
-                              seqlen_k=1024)
+    big = dataclasses.replace(tiny, batch=8, heads_q=16, heads_kv=16, seqlen_q=8192,
+                              seqlen_k=8192)
     assert default_fwd(big).variant == HOPPER
     assert default_bwd(big).variant == BWD_HOPPER
