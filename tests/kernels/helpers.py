@@ -22,6 +22,7 @@ from flashtune.kernels.config import (
     default_bwd,
     default_fwd,
     is_feasible,
+    variant_unavailable,
 )
 from flashtune.kernels.reference import reference_errors, within_rule
 from flashtune.problem import Problem
@@ -53,15 +54,19 @@ def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64
     """A random *feasible* config of ``cls`` for ``p`` (blocks capped to keep the interpreter
     quick; on the GPU pass larger caps)."""
     space = config_fields(cls)
+    direction = cls.kind  # type: ignore[attr-defined]
+    # Only the variants that can serve p here (the Hopper ones cannot in the interpreter).
+    variants = [v for v in space.get("variant", ()) if not variant_unavailable(direction, v, p)]
     for _ in range(1000):
         kw = {}
         if "variant" in space:  # the space is conditional: the variant decides the knobs
-            kw["variant"] = rng.choice(space["variant"] if variant is None else (variant,))
+            kw["variant"] = rng.choice(variants if variant is None else (variant,))
         for name in active_fields(cls, kw.get("variant")):
             allowed = [c for c in space[name]
                        if not (("block" in name and c > max_block)
                                or ("stages" in name and c > max_stages))]
-            kw.setdefault(name, rng.choice(allowed))
+            # A variant whose every tile is above the cap keeps its smallest.
+            kw.setdefault(name, rng.choice(allowed or [min(space[name])]))
         cfg = cls(**kw)
         if is_feasible(cfg, p)[0]:
             return cfg
