@@ -25,14 +25,16 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Select,
     String,
     Text,
     TypeDecorator,
     UniqueConstraint,
+    select,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo
+from flashtune.db.fingerprint import UNRECORDED, DeviceInfo, SoftwareInfo
 from flashtune.problem import ProblemKey
 
 VERSION_TABLE = "flashtune_alembic_version"
@@ -89,6 +91,11 @@ class Flag(TypeDecorator[bool]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=_NAMING)
+
+    @classmethod
+    def id_where(cls, **where: Any) -> Select[Any]:
+        """Finder: the id of the row whose columns equal ``where`` (a unique key)."""
+        return select(cls.__table__.c.id).filter_by(**where)  # type: ignore[attr-defined]
 
 
 class _Fingerprinted:
@@ -181,6 +188,30 @@ class ResultRow(Base):
     device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
     software: Mapped[Software] = relationship(lazy="joined", innerjoin=True)
     problem: Mapped[ProblemRow] = relationship(lazy="joined", innerjoin=True)
+
+    @classmethod
+    def find(cls, device: DeviceInfo | None = None, software: SoftwareInfo | None = None,
+             key: ProblemKey | None = None) -> Select[Any]:
+        """Finder: the results of ``device``, fresh under ``software`` (its code fields: the
+        kernel sources, Triton, and ptxas where both sides recorded it), of ``key``; None
+        leaves that side open."""
+        stmt = select(cls).join(cls.device).join(cls.software).join(cls.problem)
+        if device is not None:
+            stmt = stmt.where(Device.fingerprint == device.fingerprint)
+        if software is not None:
+            stmt = stmt.where(Software.triton == software.triton,
+                              Software.kernels_hash == software.kernels_hash)
+            if software.ptxas != UNRECORDED:
+                stmt = stmt.where(Software.ptxas.in_([software.ptxas, UNRECORDED]))
+        if key is not None:
+            stmt = stmt.filter_by(**key.as_dict())
+        return stmt
+
+    @classmethod
+    def by_ids(cls, device_id: int, software_id: int, problem_id: int) -> Select[Any]:
+        """Finder: the one result of a (device, software, problem) triple, locked for update."""
+        return select(cls).filter_by(device_id=device_id, software_id=software_id,
+                                     problem_id=problem_id).with_for_update()
 
 
 class MissRow(Base):

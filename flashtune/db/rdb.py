@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from flashtune.db.fingerprint import UNRECORDED, DeviceInfo, SoftwareInfo, software_info
+from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.db.models import (
     READABLE_REVISIONS,
     SCHEMA_REVISION,
@@ -220,7 +220,7 @@ def _row_id(session: Session, model: Any, where: dict[str, Any], values: dict[st
     token = (model.__tablename__, *sorted(where.items()))
     if token in cache:
         return cache[token]
-    find = select(model.id).filter_by(**where)
+    find = model.id_where(**where)
     got = session.scalar(find)
     if got is not None:
         cache[token] = got
@@ -450,18 +450,7 @@ class RDBStorage(Storage):
     def _select(device: DeviceInfo | None = None, software: SoftwareInfo | None = None,
                 key: ProblemKey | None = None) -> Any:
         """Results of ``device``, fresh under ``software`` (its code fields), of ``key``."""
-        stmt = select(ResultRow).join(ResultRow.device).join(ResultRow.software) \
-            .join(ResultRow.problem)
-        if device is not None:
-            stmt = stmt.where(Device.fingerprint == device.fingerprint)
-        if software is not None:
-            stmt = stmt.where(Software.triton == software.triton,
-                              Software.kernels_hash == software.kernels_hash)
-            if software.ptxas != UNRECORDED:
-                stmt = stmt.where(Software.ptxas.in_([software.ptxas, UNRECORDED]))
-        if key is not None:
-            stmt = stmt.filter_by(**key.as_dict())
-        return stmt
+        return ResultRow.find(device, software, key)
 
     def _fresh(self, device: DeviceInfo, software: SoftwareInfo, key: ProblemKey | None = None,
                *, failed: bool = False) -> dict[ProblemKey, Result]:
@@ -503,7 +492,7 @@ class RDBStorage(Storage):
             "cuda": r.software.cuda, "origin": r.origin, "verify": r.verify,
             "verified_at": None if r.verified_at is None else _iso_utc(r.verified_at),
         }
-        find = select(ResultRow).filter_by(**ids).with_for_update()
+        find = ResultRow.by_ids(**ids)
         row = s.scalars(find).one_or_none()
         if row is None:
             done = s.execute(_insert(s, ResultRow).values(**ids, **values)
