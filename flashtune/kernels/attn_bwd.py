@@ -19,8 +19,6 @@ and delta buffers.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +35,13 @@ from flashtune.kernels.attn_fwd import (
     _load_rows,
     _lse_row,
     _seq_bounds,
+    call_problem,
     kernel_strides,
     launch_options,
     mask_params,
     problem_dims,
     score_scales,
+    warn_portable_once,
 )
 from flashtune.kernels.config import (
     BWD_ATOMIC,
@@ -390,8 +390,9 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     deterministic=deterministic)
                 return grads, [(HOPPER_PART, launch)]
         # What the Hopper kernel cannot take, the portable kernels' default serves.
-        _warn_portable_once(reason)
-        c = _portable_fallback(q, k, causal, window, softcap, packed, deterministic)
+        warn_portable_once("backward", reason)
+        c = default_bwd(call_problem(q, k, causal, window, softcap, packed, deterministic),
+                        BWD_TWO_KERNEL)
     if c.variant not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH):
         raise InfeasibleConfigError(f"BwdConfig.variant={c.variant} "
                                     f"({BWD_VARIANT_NAMES.get(c.variant, 'unknown')}) has no "
@@ -474,28 +475,6 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if c.variant == BWD_ONE_LAUNCH:
         return (dq, dk, dv), [("pre", pre), (ONE_LAUNCH_PART, one_launch)]
     return (dq, dk, dv), [("pre", pre), ("dkdv", dkdv), ("dq", dq_finish if atomic else dq_)]
-
-
-def _portable_fallback(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
-                       softcap: float, packed: Packed | None, deterministic: bool) -> BwdConfig:
-    from flashtune._env import dtype_name
-    from flashtune.problem import Problem
-
-    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
-    if packed is not None:
-        sq, sk = max(packed.max_q, 1), max(packed.max_k, 1)
-    return default_bwd(Problem(batch=b, heads_q=hq, heads_kv=hk, seqlen_q=sq, seqlen_k=sk,
-                               head_dim=d, dtype=dtype_name(q.dtype), causal=causal,
-                               window=window, softcap=softcap, deterministic=deterministic),
-                       BWD_TWO_KERNEL)
-
-
-@functools.cache
-def _warn_portable_once(reason: str) -> None:
-    logging.getLogger("flashtune").warning(
-        "flashtune: the Hopper backward cannot take these tensors (%s); the portable kernels "
-        "run instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to use "
-        "it.", reason)
 
 
 class BwdLaunch:

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range, _tanh, _visible
-from flashtune.kernels.config import HOPPER, FwdConfig, padded_head_dim
+from flashtune.kernels.config import HOPPER, FwdConfig, default_portable_fwd, padded_head_dim
+from flashtune.problem import Problem
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
 
@@ -281,8 +282,9 @@ class FwdLaunch:
                         scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
                     return
             # What the Hopper kernel cannot take, the portable kernel's default serves.
-            _warn_portable_once(reason)
-            config = self.config = _portable_fallback(q, k, causal, window, softcap, packed)
+            warn_portable_once("forward", reason)
+            config = self.config = default_portable_fwd(
+                call_problem(q, k, causal, window, softcap, packed))
         b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
         self.lse_shape = (b, hq, sq) if packed is None else (hq, sq)
         o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
@@ -345,26 +347,27 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
     return launch(q, k, v, packed.cu_q, packed.cu_k)
 
 
-def _portable_fallback(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
-                       softcap: float, packed: Packed | None) -> FwdConfig:
+def call_problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+                 softcap: float, packed: Packed | None, deterministic: bool = True) -> Problem:
+    """The :class:`Problem` of a launch (a packed batch's sequences as long as its longest),
+    for the launchers' own config choices, such as a portable fallback."""
     from flashtune._env import dtype_name
-    from flashtune.kernels.config import default_portable_fwd
-    from flashtune.problem import Problem
 
     b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
     if packed is not None:
         sq, sk = max(packed.max_q, 1), max(packed.max_k, 1)
-    return default_portable_fwd(Problem(batch=b, heads_q=hq, heads_kv=hk, seqlen_q=sq,
-                                        seqlen_k=sk, head_dim=d, dtype=dtype_name(q.dtype),
-                                        causal=causal, window=window, softcap=softcap))
+    return Problem(batch=b, heads_q=hq, heads_kv=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d,
+                   dtype=dtype_name(q.dtype), causal=causal, window=window, softcap=softcap,
+                   deterministic=deterministic)
 
 
 @functools.cache
-def _warn_portable_once(reason: str) -> None:
+def warn_portable_once(direction: str, reason: str) -> None:
+    """One warning per (direction, reason) that a forced Hopper config fell back."""
     logging.getLogger("flashtune").warning(
-        "flashtune: the Hopper forward cannot take these tensors (%s); the portable kernel "
-        "runs instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to "
-        "use it.", reason)
+        "flashtune: the Hopper %s cannot take these tensors (%s); the portable kernels run "
+        "instead. Pass contiguous (or 16-byte-aligned, unit inner stride) tensors to use it.",
+        direction, reason)
 
 
 def tma_ok(*ts: torch.Tensor) -> bool:

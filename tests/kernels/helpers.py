@@ -146,6 +146,24 @@ def case_problem(c: tuple) -> Problem:
     return Problem(b, hq, hk, sq, sk, d, dt, causal, win, cap)
 
 
+def distinct_configs(first: FwdConfig | BwdConfig | None, p: Problem, rng: random.Random,
+                     n: int, variant: int, max_stages: int) -> list[FwdConfig | BwdConfig]:
+    """Up to ``n`` distinct feasible configs of ``variant`` for ``p`` (GPU-sized tiles):
+    ``first`` (a default, when it is of that variant), then random ones."""
+    cls = BwdConfig if isinstance(first, BwdConfig) else FwdConfig
+    out = [first] if first is not None and first.variant == variant else []
+    seen = set(out)
+    for _ in range(200 * n):
+        if len(out) >= n:
+            break
+        c = random_config(cls, p, rng, max_block=128, max_stages=max_stages, variant=variant)
+        if c not in seen:
+            out.append(c)
+            seen.add(c)
+    assert out and all(c.variant == variant for c in out), p
+    return out
+
+
 def random_problem(rng: random.Random, deterministic: bool = True) -> Problem:
     """An odd-shaped problem for the Hopper kernels' random-config runs: D 64 or 128, any
     lengths below 900, GQA, causal, window and softcap at random."""

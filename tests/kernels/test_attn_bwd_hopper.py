@@ -20,22 +20,11 @@ WATCHDOG_S = 600.0
 
 
 def _hopper_bwd_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
-    from flashtune.kernels.config import BWD_HOPPER, default_bwd, is_feasible
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
 
-    from .helpers import random_config
+    from .helpers import distinct_configs
 
-    out = [default_bwd(p, BWD_HOPPER)]
-    seen = set(out)
-    for _ in range(200 * n):
-        if len(out) >= n:
-            break
-        c = random_config(type(out[0]), p, rng, max_block=128, max_stages=3,
-                          variant=BWD_HOPPER)
-        if c not in seen and is_feasible(c, p)[0]:
-            out.append(c)
-            seen.add(c)
-    assert all(c.variant == BWD_HOPPER for c in out), p
-    return out
+    return distinct_configs(default_bwd(p, BWD_HOPPER), p, rng, n, BWD_HOPPER, max_stages=3)
 
 
 def _grid(seed: int) -> list[str]:

@@ -35,24 +35,11 @@ CASES = [
 
 
 def _hopper_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
-    import dataclasses
+    from flashtune.kernels.config import HOPPER, default_fwd
 
-    from flashtune.kernels.config import HOPPER, default_fwd, is_feasible
+    from .helpers import distinct_configs
 
-    from .helpers import random_config
-
-    base = default_fwd(p)
-    out = [base] if base.variant == HOPPER else []
-    seen = set(out)
-    for _ in range(200 * n):
-        if len(out) >= n:
-            break
-        c = random_config(type(base), p, rng, max_block=128, max_stages=4, variant=HOPPER)
-        if c not in seen and is_feasible(c, p)[0]:
-            out.append(c)
-            seen.add(c)
-    assert out and all(dataclasses.asdict(c)["variant"] == HOPPER for c in out), p
-    return out
+    return distinct_configs(default_fwd(p), p, rng, n, HOPPER, max_stages=4)
 
 
 def _grid(seed: int) -> list[str]:
