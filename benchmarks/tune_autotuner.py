@@ -3,6 +3,8 @@
     python benchmarks/tune_autotuner.py parallel   --out DIR [--workers 14]
     python benchmarks/tune_autotuner.py quality    --out DIR [--directions fwd,bwd]
     python benchmarks/tune_autotuner.py vs-default --out DIR [--trials 40 | --time-budget S]
+    python benchmarks/tune_autotuner.py cost       --out DIR [--trials 12] [--tag before]
+    python benchmarks/tune_autotuner.py budget     --out DIR --time-budget S [--factor 5]
 
 - parallel: the same seeded TPE search (trials fixed) with N compile workers and with 1,
   each on an empty Triton cache; wall time per trial and the compile share.
@@ -13,6 +15,16 @@
   ratio read off the exhaustive search's own trial times.
 - vs-default: every standard-matrix shape, forward and backward: a tune with a trial
   or time budget, then the winner and the heuristic default re-timed interleaved.
+- cost: where a trial's wall time goes, with the tuner's own timing settings, one
+  shared session (as a sweep has) and a cold Triton cache: per trial, the wait for the
+  compile pool, the first launch, the gate (and the reference in it), the timing and
+  the confirmation of a new incumbent; the rest of a trial's cycle (Optuna, process
+  traffic) as the difference to the search time per trial. Runs on older trees too
+  (a field they do not record shows as nan), for a before/after in one process.
+- budget: eight standard-matrix shapes (COST_PROBLEMS and more), forward and backward:
+  a tune with --time-budget S and one with --factor times S, then both winners
+  re-timed side by side (9 rounds, alternating); "gap" is the short search's winner
+  over the long one's.
 
 Every run uses an in-memory tuning database (nothing is stored on the host) and
 writes a JSON file with the GPU name, versions and date under --out.
@@ -56,6 +68,14 @@ def _std(s: int, d: int, causal: bool) -> Problem:
 
 QUALITY_PROBLEMS = [_std(512, 64, False), _std(1024, 64, True), _std(512, 128, True),
                     _std(1024, 128, False), _std(2048, 128, True), _std(2048, 64, False)]
+
+
+COST_PROBLEMS = [_std(1024, 64, True), _std(4096, 128, False), _std(16384, 128, True)]
+BUDGET_PROBLEMS = [*COST_PROBLEMS, _std(512, 128, False), _std(2048, 64, False),
+                   _std(8192, 64, True),
+                   Problem(batch=4, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_k=4096,
+                           head_dim=128, dtype="bf16", causal=True),
+                   _std(1000, 128, True)]
 
 
 def _env_info() -> dict[str, Any]:
@@ -226,9 +246,104 @@ def cmd_vs_default(args: argparse.Namespace) -> None:
         print(f"geomean speedup {d}: {g:.3f}x")
 
 
+COST_FIELDS = ("pool_wait_s", "compile_s", "gate_s", "reference_s", "time_s", "confirm_s",
+               "wall_s")
+
+
+def cmd_cost(args: argparse.Namespace) -> None:
+    import statistics
+
+    import optuna
+
+    from flashtune.autotune.tuner import optuna_storage
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tcache-cost")  # cold
+    db = Path(tempfile.mkdtemp(prefix="cost-db")) / "cost.db"
+    url = f"sqlite:///{db}"
+    rows = []
+    with TuneSession(compile_workers=args.workers) as sess:
+        for d in args.directions.split(","):
+            for p in COST_PROBLEMS:
+                t0 = time.perf_counter()
+                r = tune(p, d, trials=args.trials or 12, storage=url, session=sess,
+                         seed=args.seed, store=False)
+                tune_s = time.perf_counter() - t0
+                study = optuna.load_study(study_name=r.study_name, storage=optuna_storage(url))
+                trials = [t.user_attrs for t in study.trials if t.user_attrs.get("measured")]
+
+                def med(k: str, trials: list[dict[str, Any]] = trials) -> float:
+                    xs = [float(t[k]) if k in t else (0.0 if k == "confirm_s" else math.nan)
+                          for t in trials]
+                    return statistics.median(xs) if xs else math.nan
+
+                cost = [float(t.get("wall_s", math.nan)) + float(t.get("confirm_s", 0.0))
+                        for t in trials]
+                row = {"direction": d, "problem": _label(p), "trials": r.trials,
+                       "search_s": r.search_seconds, "tune_s": tune_s,
+                       "per_trial_s": r.search_seconds / max(r.trials, 1),
+                       "median_trial_s": statistics.median(cost),
+                       "final_retime_s": tune_s - r.search_seconds,
+                       **{f"median_{k}": med(k) for k in COST_FIELDS},
+                       "confirmed": sum("confirm_s" in t or "confirm_ms" in t for t in trials),
+                       "best_ms": r.median_ms}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    tag = f"_{args.tag}" if args.tag else ""
+    _write(Path(args.out), f"cost{tag}", {"env": _env_info(), "rows": rows,
+                                          "trials": args.trials or 12})
+    print(f"\n{args.tag or 'cost'}: {'dir':4} {'problem':22} {'trial s':>7} {'mean s':>6} "
+          + " ".join(f"{k[:-2]:>9}" for k in COST_FIELDS[:-1]) + f" {'final s':>7}")
+    for r in rows:
+        print(f"{' ' * len(args.tag or 'cost')}  {r['direction']:4} {r['problem']:22} "
+              f"{r['median_trial_s']:>7.2f} {r['per_trial_s']:>6.2f} "
+              + " ".join(f"{r['median_' + k]:>9.3f}" for k in COST_FIELDS[:-1])
+              + f" {r['final_retime_s']:>7.1f}")
+    for d in args.directions.split(","):
+        xs = [r["median_trial_s"] for r in rows if r["direction"] == d]
+        print(f"median trial cost {d}: {statistics.median(xs):.2f} s (median over problems)")
+
+
+def cmd_budget(args: argparse.Namespace) -> None:
+    if not args.time_budget:
+        raise SystemExit("budget needs --time-budget S (the short search's seconds)")
+    rows = []
+    probs = BUDGET_PROBLEMS[args.start:]
+    if args.limit:
+        probs = probs[: args.limit]
+    with TuneSession(compile_workers=args.workers) as sess:
+        for d in args.directions.split(","):
+            for p in probs:
+                short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
+                             session=sess, store=False, seed=args.seed)
+                long = tune(p, d, time_budget=args.factor * args.time_budget,
+                            storage="sqlite://", session=sess, store=False,
+                            seed=args.seed + 1)
+                cs, cl = config_to_dict(short.config), config_to_dict(long.config)
+                ms = _retime(sess, p, d, [cs] if cs == cl else [cs, cl], rounds=9)
+                row = {"direction": d, "problem": _label(p), "short_trials": short.trials,
+                       "long_trials": long.trials, "short_s": short.search_seconds,
+                       "long_s": long.search_seconds, "same_config": cs == cl,
+                       "short_ms": ms[0], "long_ms": ms[-1],
+                       "gap": 0.0 if cs == cl else ms[0] / ms[1] - 1,
+                       "short_config": cs, "long_config": cl}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _write(Path(args.out), f"budget_{args.directions.replace(',', '_')}"
+                       f"_from{args.start}", {"env": _env_info(), "rows": rows,
+                                              "time_budget": args.time_budget,
+                                              "factor": args.factor})
+    print(f"\n{'dir':4} {'problem':28} {'trials':>11} {'short ms':>9} {'long ms':>9} {'gap':>6}")
+    for r in rows:
+        print(f"{r['direction']:4} {r['problem']:28} {r['short_trials']:>5}/{r['long_trials']:<5} "
+              f"{r['short_ms']:>9.4f} {r['long_ms']:>9.4f} "
+              f"{'same' if r['same_config'] else format(r['gap'], '+6.1%'):>6}")
+    if rows:
+        print(f"worst gap: {max(r['gap'] for r in rows):+.1%}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["parallel", "quality", "vs-default"])
+    ap.add_argument("what", choices=["parallel", "quality", "vs-default", "cost", "budget"])
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--workers", type=int, default=14, help="compile workers")
     ap.add_argument("--directions", default="fwd,bwd")
@@ -237,13 +352,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, default=None,
                     help="vs-default: seconds per shape (default: 40 trials, no time limit)")
     ap.add_argument("--start", type=int, default=0,
-                    help="vs-default: first standard-matrix shape (index)")
+                    help="vs-default, budget: first shape (index)")
     ap.add_argument("--limit", type=int, default=0, help="vs-default: at most this many shapes")
     ap.add_argument("--only", default="", help="quality: comma-separated problem indices")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="cost: a label for the output file and table")
+    ap.add_argument("--factor", type=float, default=5.0,
+                    help="budget: the long search's budget over the short one's")
     args = ap.parse_args(argv)
-    {"parallel": cmd_parallel, "quality": cmd_quality, "vs-default": cmd_vs_default}[
-        args.what](args)
+    {"parallel": cmd_parallel, "quality": cmd_quality, "vs-default": cmd_vs_default,
+     "cost": cmd_cost, "budget": cmd_budget}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,21 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
     return float(q[0]), float(q[1]), float(q[2])
 
 
+def median_interval(xs: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """(median, low, high): the median of ``xs`` and a distribution-free ~95% confidence
+    interval for it, from the order statistics n/2 -/+ z*sqrt(n)/2."""
+    ys = sorted(xs)
+    n = len(ys)
+    half = z * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return statistics.median(ys), ys[lo], ys[hi]
+
+
 def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
-               rep_ms: float = 100, cpu_reps: int = 3) -> tuple[Timing, list[float]]:
+               rep_ms: float = 100, cpu_reps: int = 3, rel_tol: float | None = None,
+               min_reps: int = 8, abandon_ms: float | None = None,
+               ) -> tuple[Timing, list[float]]:
     """Time launches that run back to back as one unit: the whole, and each part in it.
 
     The whole follows the house protocol of :func:`time_fn` (do_bench's: a 5-run
@@ -112,6 +125,12 @@ def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     before each); CUDA events recorded between the parts give each part's median over
     the same repetitions. Returns (Timing of the whole, [median ms of each part]).
     Under the CPU interpreter both come from the host clock and are labelled so.
+
+    ``rel_tol`` makes the repetitions stop as soon as the noise allows (the tuner's
+    trials): from ``min_reps`` on, once the median's 95% interval (:func:`median_interval`)
+    is within ``rel_tol`` of it either way, or, with ``abandon_ms``, once the interval
+    lies wholly above ``abandon_ms`` (a candidate plainly slower than the incumbent);
+    ``rep_ms`` stays the cap. The estimate then takes 2 runs, not 5.
     """
     if not parts:
         raise ValueError("time_parts needs at least one launch")
@@ -139,27 +158,40 @@ def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     torch.cuda.synchronize()
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n_est = 5 if rel_tol is None else 2
     t0.record()
-    for _ in range(5):
+    for _ in range(n_est):
         flush.zero_()
         whole()
     t1.record()
     torch.cuda.synchronize()
-    estimate = max(t0.elapsed_time(t1) / 5, 1e-3)
+    estimate = max(t0.elapsed_time(t1) / n_est, 1e-3)
     for _ in range(max(1, int(warmup_ms / estimate))):
         whole()
-    n_rep = max(1, int(rep_ms / estimate))
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
-              for _ in range(n_rep)]
-    for ev in events:
-        flush.zero_()
-        ev[0].record()
-        for f, e in zip(parts, ev[1:], strict=True):
-            f()
-            e.record()
-    torch.cuda.synchronize()
-    tot = [ev[0].elapsed_time(ev[-1]) for ev in events]
-    per = [[ev[i].elapsed_time(ev[i + 1]) for ev in events] for i in range(len(parts))]
+    n_max = max(1, int(rep_ms / estimate))
+    tot, per = [], [[] for _ in parts]
+    batch = n_max if rel_tol is None else min(n_max, max(min_reps, 1))
+    while True:
+        events = [[torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
+                  for _ in range(batch)]
+        for ev in events:
+            flush.zero_()
+            ev[0].record()
+            for f, e in zip(parts, ev[1:], strict=True):
+                f()
+                e.record()
+        torch.cuda.synchronize()
+        tot += [ev[0].elapsed_time(ev[-1]) for ev in events]
+        for i in range(len(parts)):
+            per[i] += [ev[i].elapsed_time(ev[i + 1]) for ev in events]
+        left = n_max - len(tot)
+        if rel_tol is None or left <= 0:
+            break
+        med, lo, hi = median_interval(tot)
+        if max(med - lo, hi - med) <= rel_tol * med or \
+                (abandon_ms is not None and lo > abandon_ms):
+            break
+        batch = min(left, len(tot))  # double the sample
     med, p20, p80 = _quantiles(tot)
     return Timing(med, p20, p80), [_quantiles(x)[0] for x in per]
 

@@ -29,10 +29,15 @@ def _compile_only() -> None:
         return
     from triton.runtime.jit import JITFunction
 
+    import flashtune.kernels._bwd_common as common_mod
     import flashtune.kernels.attn_bwd as bwd_mod
+    import flashtune.kernels.attn_bwd_hopper as hbwd_mod
     import flashtune.kernels.attn_fwd as fwd_mod
+    import flashtune.kernels.attn_fwd_hopper as hfwd_mod
 
-    for mod in (fwd_mod, bwd_mod):
+    # Every module that defines kernels: the Hopper (Gluon) ones too, whose JIT class is
+    # a JITFunction. A kernel left out would run, on empty tensors, beside the timing.
+    for mod in (fwd_mod, bwd_mod, common_mod, hfwd_mod, hbwd_mod):
         for obj in vars(mod).values():
             if isinstance(obj, JITFunction):
                 run = obj.run

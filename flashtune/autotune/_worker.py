@@ -66,11 +66,12 @@ def _serve(conn: Connection) -> None:
             except Exception as e:  # a config the kernels reject, or inputs that cannot fit
                 conn.send(Measurement("error", detail=f"{type(e).__name__}: {e}").as_dict())
                 continue
+            kw = dict(seed=msg["seed"], abandon_ms=msg.get("abandon_ms"), **timing)
             if action in ("corrupt", "raise"):
                 with _faults.kernel_fault(action, direction):
-                    m = measure(bench, direction, cfg, seed=msg["seed"], **timing)
+                    m = measure(bench, direction, cfg, **kw)
             else:
-                m = measure(bench, direction, cfg, seed=msg["seed"], **timing)
+                m = measure(bench, direction, cfg, **kw)
             conn.send(m.as_dict())
             if m.poisoned:
                 return  # the CUDA context is gone; the parent starts a fresh worker

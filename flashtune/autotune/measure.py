@@ -62,14 +62,19 @@ def gate_problem(p: Problem) -> Problem:
     return replace(p, batch=batch, heads_q=hq, heads_kv=hk)
 
 
-def gate(problem: Problem, direction: str, config: FwdConfig | BwdConfig, *,
-         device: str, seed: int) -> Any:
-    """The correctness gate (2x rule against fp32) on fresh inputs seeded by ``seed``."""
+def gate_case(problem: Problem, direction: str, *, device: str, seed: int) -> Any:
+    """A :class:`~flashtune.kernels.reference.GateCase` of ``problem`` (reduced by
+    :func:`gate_problem`): fresh inputs drawn from ``seed`` and their fp32 reference."""
     from flashtune.kernels import reference
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return reference.compare(gate_problem(problem), direction, config, device=device,
-                             generator=gen)
+    return reference.GateCase(gate_problem(problem), direction, device=device, generator=gen)
+
+
+def gate(problem: Problem, direction: str, config: FwdConfig | BwdConfig, *,
+         device: str, seed: int) -> Any:
+    """The correctness gate (2x rule against fp32) on fresh inputs seeded by ``seed``."""
+    return gate_case(problem, direction, device=device, seed=seed).check(config)
 
 
 Status = Literal["ok", "gate", "prune", "error"]
@@ -117,6 +122,20 @@ class Bench:
             self.kw["packed"] = Packed(*layout)
         self._fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device, q.dtype)
+        self._cases: dict[str, Any] = {}
+
+    def case(self, direction: str, seed: int) -> tuple[Any, float]:
+        """The gate case of ``direction`` (made on first use from ``seed``, then kept: the
+        reference is computed once per problem and direction), and the seconds spent
+        making it now (0 when it was already made)."""
+        c = self._cases.get(direction)
+        if c is not None:
+            return c, 0.0
+        t0 = time.perf_counter()
+        c = self._cases[direction] = gate_case(self.problem, direction, device=self.device,
+                                               seed=seed)
+        _sync()
+        return c, time.perf_counter() - t0
 
     def _bwd_args(self) -> tuple[torch.Tensor, ...]:
         import flashtune.kernels.attn_fwd as fwd_mod
@@ -140,25 +159,32 @@ class Bench:
         det = self.problem.deterministic
         return lambda: bwd_mod.attn_bwd(*args, config=cfg, deterministic=det, **kw)
 
-    def time(self, direction: str, config: FwdConfig | BwdConfig, *, warmup_ms: float = 25,
-             rep_ms: float = 100, cpu_reps: int = 3) -> Timing:
-        return self.time_with_parts(direction, config, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                    cpu_reps=cpu_reps)[0]
+    def time(self, direction: str, config: FwdConfig | BwdConfig, **timing: Any) -> Timing:
+        """The timing of ``config`` (keywords of :meth:`time_with_parts`)."""
+        return self.time_with_parts(direction, config, **timing)[0]
 
     def time_with_parts(self, direction: str, config: FwdConfig | BwdConfig, *,
                         warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3,
-                        ) -> tuple[Timing, dict[str, float]]:
-        """The timing, and for the backward the median ms of each launch by part name."""
+                        rel_tol: float | None = None, min_reps: int = 8,
+                        abandon_ms: float | None = None) -> tuple[Timing, dict[str, float]]:
+        """The timing, and for the backward the median ms of each launch by part name.
+
+        ``rel_tol``/``min_reps``/``abandon_ms``: stop as soon as the noise allows (see
+        :func:`flashtune.timing.time_parts`); without them, the house protocol."""
+        adaptive = dict(rel_tol=rel_tol, min_reps=min_reps, abandon_ms=abandon_ms)
         if direction == "fwd":
-            return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,
-                           cpu_reps=cpu_reps), {}
+            if rel_tol is None:
+                return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                               cpu_reps=cpu_reps), {}
+            return time_parts([self.fn(direction, config)], warmup_ms=warmup_ms,
+                              rep_ms=rep_ms, cpu_reps=cpu_reps, **adaptive)[0], {}
         from flashtune.kernels.attn_bwd import bwd_steps
 
         cfg: Any = config
         _, steps = bwd_steps(*self._bwd_args(), config=cfg,
                              deterministic=self.problem.deterministic, **self.kw)
         tm, per = time_parts([f for _, f in steps], warmup_ms=warmup_ms, rep_ms=rep_ms,
-                             cpu_reps=cpu_reps)
+                             cpu_reps=cpu_reps, **adaptive)
         return tm, {name: ms for (name, _), ms in zip(steps, per, strict=True)}
 
 
@@ -176,6 +202,7 @@ class Measurement:
     detail: str = ""
     compile_s: float = 0.0
     gate_s: float = 0.0
+    reference_s: float = 0.0
     time_s: float = 0.0
     interpreter: bool = False
     poisoned: bool = False
@@ -191,48 +218,56 @@ def _sync() -> None:
 
 
 def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed: int,
-            warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3) -> Measurement:
-    """First launch (compile, or load from Triton's cache), the gate, then the timing."""
+            warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3,
+            rel_tol: float | None = None, min_reps: int = 8,
+            abandon_ms: float | None = None) -> Measurement:
+    """First launch (compile, or load from Triton's cache), the gate, then the timing.
+
+    The gate runs on the bench's gate case for ``direction`` (made from ``seed`` by the
+    first measurement of the problem, then reused: ``reference_s`` is its cost, inside
+    ``gate_s``). The timing keywords go to :meth:`Bench.time_with_parts`."""
     interp = bench.device == "cpu"
     t0 = time.perf_counter()
+    ref_s = 0.0
     try:
         bench.fn(direction, config)()
         _sync()
         t1 = time.perf_counter()
-        cmp = gate(bench.problem, direction, config, device=bench.device, seed=seed)
+        case, ref_s = bench.case(direction, seed)
+        cmp = case.check(config)
         t2 = time.perf_counter()
         if not cmp.ok:
             return Measurement("gate", max_error=cmp.max_error, ratio=cmp.ratio,
                                detail=f"correctness gate failed: {cmp.detail}",
-                               compile_s=t1 - t0, gate_s=t2 - t1, interpreter=interp)
+                               compile_s=t1 - t0, gate_s=t2 - t1, reference_s=ref_s,
+                               interpreter=interp)
         tm, parts = bench.time_with_parts(direction, config, warmup_ms=warmup_ms,
-                                          rep_ms=rep_ms, cpu_reps=cpu_reps)
+                                          rep_ms=rep_ms, cpu_reps=cpu_reps, rel_tol=rel_tol,
+                                          min_reps=min_reps, abandon_ms=abandon_ms)
     except Exception as e:  # every failure of a candidate is data, never fatal
         kind = classify(e)
         return Measurement(kind, detail=f"{type(e).__name__}: {str(e)[:500]}",
-                           compile_s=time.perf_counter() - t0, interpreter=interp,
-                           poisoned=poisons_context(e))
+                           compile_s=time.perf_counter() - t0, reference_s=ref_s,
+                           interpreter=interp, poisoned=poisons_context(e))
     t3 = time.perf_counter()
     if not all(math.isfinite(x) and x > 0 for x in (tm.median_ms, tm.p20_ms, tm.p80_ms)):
         return Measurement("error", detail=f"non-finite timing {tm}", interpreter=interp)
     return Measurement("ok", tm.median_ms, tm.p20_ms, tm.p80_ms, cmp.max_error, cmp.ratio,
-                       cmp.detail, compile_s=t1 - t0, gate_s=t2 - t1, time_s=t3 - t2,
-                       interpreter=tm.interpreter, parts_ms=parts)
+                       cmp.detail, compile_s=t1 - t0, gate_s=t2 - t1, reference_s=ref_s,
+                       time_s=t3 - t2, interpreter=tm.interpreter, parts_ms=parts)
 
 
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,
-           rounds: int = 5, warmup_ms: float = 25, rep_ms: float = 100,
-           cpu_reps: int = 3) -> list[Timing]:
+           rounds: int = 5, **timing: Any) -> list[Timing]:
     """Time each config ``rounds`` times, interleaved and in alternating order
     (c0 c1 c2, c2 c1 c0, c0 c1 c2, ...), so drift in clocks or temperature, and any
     effect of going first or last, hits every candidate alike. Returns the median
-    over rounds."""
+    over rounds. ``timing``: keywords of :meth:`Bench.time_with_parts`."""
     per: list[list[Timing]] = [[] for _ in configs]
     for r in range(max(rounds, 1)):
         order = list(enumerate(configs))
         for i, c in (order if r % 2 == 0 else order[::-1]):
-            per[i].append(bench.time(direction, c, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                     cpu_reps=cpu_reps))
+            per[i].append(bench.time(direction, c, **timing))
     out = []
     for ts in per:
         meds = sorted(t.median_ms for t in ts)

@@ -35,6 +35,9 @@ ProgressFn = Callable[[dict[str, Any]], None]
 Pending = tuple[Any, Params, "Future[tuple[float, str]] | None", str]
 _MAX_INFEASIBLE_STREAK = 500  # the sampler is stuck proposing configs that cannot run
 _MAX_DUPLICATE_STREAK = 50  # the sampler is stuck proposing configs already measured
+# A trial's timing stops once its median's 95% interval lies above this many times the
+# incumbent's time (with an adaptive timing; see flashtune.timing.time_parts).
+ABANDON_OVER = 1.1
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class Settings:
     timing: dict[str, Any]
     store: bool
     warm_start: bool
+    search_timing: dict[str, Any] | None = None  # trials and confirmations; None: ``timing``
+
+    @property
+    def trial_timing(self) -> dict[str, Any]:
+        return self.timing if self.search_timing is None else self.search_timing
 
 
 class Search:
@@ -260,13 +268,15 @@ class Search:
     def _request(self, op: str, timeout: float, **body: Any) -> dict[str, Any]:
         return dict(self.session.worker.request(
             {"op": op, "problem": self.problem_d, "direction": self.direction,
-             "timing": self.s.timing, **body}, timeout=timeout))
+             "timing": self.s.trial_timing, **body}, timeout=timeout))
 
     def _confirm(self, trial: Any, params: Params, value: float) -> float:
         """A candidate about to become the incumbent is timed twice more; the median of
         the three stands (one lucky timing must not steer the search)."""
+        t0 = time.perf_counter()
         reply = self._request("retime", self.s.trial_timeout, configs=[params, params],
                               rounds=1)
+        trial.set_user_attr("confirm_s", time.perf_counter() - t0)
         if reply.get("status") != "ok":
             return value
         again = [float(t["median_ms"]) for t in reply["timings"]]
@@ -290,13 +300,16 @@ class Search:
         """Run one queued candidate in the measurement worker and tell the study."""
         t0 = time.perf_counter()
         pool_err = self._wait_compile(fut, t0)
+        trial.set_user_attr("pool_wait_s", time.perf_counter() - t0)
+        # A candidate whose timing is plainly slower than the incumbent's stops early.
+        abandon = self.best * ABANDON_OVER if math.isfinite(self.best) else None
         reply = self._request("measure", self.s.trial_timeout, config=params,
-                              seed=self.s.seed * 1_000_003 + trial.number)
+                              seed=self.s.seed * 1_000_003 + trial.number, abandon_ms=abandon)
         status: ReplyStatus = reply.get("status", "error")
         detail = str(reply.get("detail", ""))
         self.measured += 1
         trial.set_user_attr("measured", True)
-        for k in ("compile_s", "gate_s", "time_s", "max_error", "ratio"):
+        for k in ("compile_s", "gate_s", "reference_s", "time_s", "max_error", "ratio"):
             if k in reply and reply[k] is not None and math.isfinite(reply[k]):
                 trial.set_user_attr(k, float(reply[k]))
         self.compile_s += float(reply.get("compile_s") or 0.0)

@@ -57,6 +57,10 @@ from flashtune.exceptions import TuningError
 from flashtune.kernels.config import config_from_dict, config_to_dict, default_config
 from flashtune.problem import Problem, ProblemKey
 
+# The search's trials on a GPU: warm up briefly (the first launch and the gate have run),
+# then repeat until the median's 95% interval is within 1% (flashtune.timing.time_parts).
+SEARCH_TIMING: dict[str, Any] = {"warmup_ms": 10, "rel_tol": 0.01, "min_reps": 8}
+
 __all__ = ["TuneResult", "TuneSession", "tune", "study_name", "optuna_storage", "problem_slug",
            "SAMPLERS"]
 
@@ -431,6 +435,11 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
       flight in parallel), "random" or "grid" (exhaustive).
     - ``top_k``/``retime_rounds``: the final interleaved re-timing.
     - ``timing``: kwargs for the timing protocol (``warmup_ms``, ``rep_ms``, ``cpu_reps``).
+      On a GPU the search's own trials time only as long as the noise needs
+      (:data:`SEARCH_TIMING`: a shorter warmup, then repetitions until the median is
+      known to 1%, or until it is plainly slower than the incumbent); ``timing`` keys
+      override those (``{"rel_tol": None}`` times every trial in full). The final
+      re-timing follows the house protocol.
     - ``progress``: called with a dict per event ("trial", "infeasible", "retime",
       "done"): direction, study, measured, budget, best_ms, elapsed_s, and details.
     - ``store``: write the winner with ``prefer="faster"``; ``warm_start``: enqueue the
@@ -458,14 +467,15 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
     with setenv("TRITON_INTERPRET", "1" if interp else None):
         device = device_info()
     target = _Target(store_obj, device, software_info(), sess)
+    house = dict(timing or ({"cpu_reps": 2} if interp else {}))
     spaces = _spaces(direction, space)
     base = Settings(
         trials=trials, time_budget=time_budget, patience=patience,
         trial_timeout=(300.0 if interp else 120.0) if trial_timeout is None else trial_timeout,
         seed=seed, space=spaces[next(iter(spaces))], sampler=sampler, top_k=top_k,
         retime_rounds=(1 if interp else 5) if retime_rounds is None else retime_rounds,
-        timing=dict(timing or ({"cpu_reps": 2} if interp else {})), store=store,
-        warm_start=warm_start)
+        timing=house, store=store, warm_start=warm_start,
+        search_timing=house if interp else {**SEARCH_TIMING, **house})
     try:
         out = {d: _tune_one(problem, d, target, replace(base, space=spaces[d]), progress)
                for d in spaces}

@@ -114,45 +114,92 @@ class Comparison:
 # autograd keeps several fp32 copies of the scores, which at S=16k would fill a GPU.
 REF_CHUNK_SCORES = 1 << 28
 
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
-                     out: torch.Tensor, lse: torch.Tensor,
-                     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *,
-                     causal: bool, softmax_scale: float | None, window_size: tuple[int, int],
-                     softcap: float) -> tuple[dict[str, float], dict[str, float]]:
-    """(errors of the candidate, errors of PyTorch's own low-precision path), both against
-    the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv.
 
-    Large problems are checked slice by slice (one batch entry and a group of KV heads
-    with their query heads at a time); every error is a max, so the result is the same.
+class Reference:
+    """The fp32 reference of one set of inputs: ``out``, ``lse`` and (given an upstream
+    gradient) ``grads`` = (dq, dk, dv), all fp32 in the inputs' layout, and
+    ``torch_errors``, PyTorch's own low-precision errors against it (the 2x rule's scale).
+    Made once, it checks any number of candidates' outputs (:meth:`errors`)."""
+
+    __slots__ = ("out", "lse", "grads", "torch_errors")
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, grads: Grads | None,
+                 torch_errors: dict[str, float]):
+        self.out, self.lse, self.grads, self.torch_errors = out, lse, grads, torch_errors
+
+    def errors(self, out: torch.Tensor, lse: torch.Tensor,
+               grads: Grads | None = None) -> dict[str, float]:
+        """Each tensor's max error against the reference (out and lse; dq, dk and dv when
+        ``grads`` is given)."""
+        errs = {"out": _max_err(out, self.out), "lse": _max_err(lse, self.lse)}
+        if grads is not None:
+            if self.grads is None:
+                raise ValueError("this reference has no gradients (it was made without do)")
+            for name, g, rg in zip(("dq", "dk", "dv"), grads, self.grads, strict=True):
+                errs[name] = _max_err(g, rg)
+        return errs
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None, *,
+              causal: bool, softmax_scale: float | None, window_size: tuple[int, int],
+              softcap: float, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None) -> Reference:
+    """The :class:`Reference` of dense (B, H, S, D) inputs or, with ``cu_seqlens_*``, of a
+    packed batch ((total, H, D); lse (Hq, total)), gradients included when ``do`` is given.
+
+    Large dense problems run slice by slice (one batch entry and a group of KV heads with
+    their query heads at a time), a packed batch one sequence at a time; every error is a
+    max, so the result is the same as in one piece.
     """
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap)
-    b, hq, sq = q.shape[:3]
-    hk, sk = k.shape[1], k.shape[2]
-    group = hq // hk
-    if b * hq * sq * sk <= REF_CHUNK_SCORES:
-        return _errors_one(q, k, v, do, out, lse, grads, kw)
-    step = max(1, REF_CHUNK_SCORES // (group * sq * sk))
-    errs: dict[str, float] = {}
-    terrs: dict[str, float] = {}
-    for bi in range(b):
-        for h0 in range(0, hk, step):
-            h1 = min(hk, h0 + step)
+    if cu_seqlens_q is not None:
+        assert cu_seqlens_k is not None
+        lse_like = torch.empty(q.shape[1], q.shape[0], device=q.device)
+        slices = [((slice(qa, qb),), (slice(ka, kb),), _seq)
+                  for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k)]
+    else:
+        b, hq, sq = q.shape[:3]
+        hk, sk = k.shape[1], k.shape[2]
+        group = hq // hk
+        lse_like = torch.empty(b, hq, sq, device=q.device)
+        step = hk if b * hq * sq * sk <= REF_CHUNK_SCORES \
+            else max(1, REF_CHUNK_SCORES // (group * sq * sk))
+        bs = [slice(None)] if step == hk else [slice(i, i + 1) for i in range(b)]
+        slices = [((bi, slice(h0 * group, min(hk, h0 + step) * group)),
+                   (bi, slice(h0, min(hk, h0 + step))), None)
+                  for bi in bs for h0 in range(0, hk, step)]
+    ref = Reference(torch.empty(q.shape, device=q.device), lse_like,
+                    None if do is None else (torch.empty(q.shape, device=q.device),
+                                             torch.empty(k.shape, device=q.device),
+                                             torch.empty(v.shape, device=q.device)), {})
+    for qi, ki, packed in slices:
+        def qs(t: torch.Tensor) -> torch.Tensor:
+            return packed(t, qi[0].start, qi[0].stop) if packed else t[qi]  # noqa: B023
 
-            def qs(t: torch.Tensor) -> torch.Tensor:
-                return t[bi:bi + 1, h0 * group:h1 * group]  # noqa: B023 - used at once
+        def ks(t: torch.Tensor) -> torch.Tensor:
+            return packed(t, ki[0].start, ki[0].stop) if packed else t[ki]  # noqa: B023
 
-            def ks(t: torch.Tensor) -> torch.Tensor:
-                return t[bi:bi + 1, h0:h1]  # noqa: B023 - used at once
+        lse_view = ref.lse[None, :, qi[0]] if packed else ref.lse[qi]
+        outs = (qs(ref.out), lse_view, None if ref.grads is None
+                else (qs(ref.grads[0]), ks(ref.grads[1]), ks(ref.grads[2])))
+        terrs = _reference_into(qs(q), ks(k), ks(v), None if do is None else qs(do), outs, kw)
+        for name, e in terrs.items():
+            ref.torch_errors[name] = max(ref.torch_errors.get(name, 0.0), e)
+    return ref
 
-            g = None if grads is None else (qs(grads[0]), ks(grads[1]), ks(grads[2]))
-            e, te = _errors_one(qs(q), ks(k), ks(v), None if do is None else qs(do),
-                                qs(out), qs(lse), g, kw)
-            for name in e:
-                errs[name] = max(errs.get(name, 0.0), e[name])
-                terrs[name] = max(terrs.get(name, 0.0), te[name])
-    return errs, terrs
+
+def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
+                     out: torch.Tensor, lse: torch.Tensor, grads: Grads | None, *,
+                     causal: bool, softmax_scale: float | None, window_size: tuple[int, int],
+                     softcap: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(errors of the candidate, errors of PyTorch's own low-precision path), both against
+    the fp32 reference, for out/lse and, when ``grads`` is given, dq/dk/dv."""
+    ref = reference(q, k, v, do if grads is not None else None, causal=causal,
+                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    return ref.errors(out, lse, grads), ref.torch_errors
 
 
 def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -182,85 +229,107 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def varlen_reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             do: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, *,
-                            causal: bool, softmax_scale: float | None,
+                            grads: Grads | None, *, causal: bool, softmax_scale: float | None,
                             window_size: tuple[int, int], softcap: float,
                             ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`reference_errors` for a packed batch (lse is (Hq, total_q)): each sequence is
-    checked on its own against the fp32 reference, and each error is the max over them."""
-    kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
-                              window_size=window_size, softcap=softcap)
-    errs: dict[str, float] = {}
-    terrs: dict[str, float] = {}
-    for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
-        g = None if grads is None else (_seq(grads[0], qa, qb), _seq(grads[1], ka, kb),
-                                        _seq(grads[2], ka, kb))
-        e, te = _errors_one(_seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb),
-                            None if do is None else _seq(do, qa, qb), _seq(out, qa, qb),
-                            lse[None, :, qa:qb], g, kw)
-        for name in e:
-            errs[name] = max(errs.get(name, 0.0), e[name])
-            terrs[name] = max(terrs.get(name, 0.0), te[name])
-    return errs, terrs
+    checked against the fp32 reference, and each error is the max over them."""
+    ref = reference(q, k, v, do if grads is not None else None, causal=causal,
+                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return ref.errors(out, lse, grads), ref.torch_errors
 
 
-def _errors_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
-                out: torch.Tensor, lse: torch.Tensor,
-                grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                kw: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
-    need_grad = grads is not None
+def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,
+                    into: tuple[torch.Tensor, torch.Tensor, Grads | None],
+                    kw: dict[str, Any]) -> dict[str, float]:
+    """Write the fp32 reference of one slice into the views ``into`` = (out, lse, grads or
+    None); return PyTorch's low-precision errors against it."""
+    need_grad = do is not None
     q32, k32, v32 = (t.detach().float().requires_grad_(need_grad) for t in (q, k, v))
     ql, kl, vl = (t.detach().clone().requires_grad_(need_grad) for t in (q, k, v))
     ref_o, ref_lse = attention_ref(q32, k32, v32, upcast=True, **kw)
     low_o, low_lse = attention_ref(ql, kl, vl, upcast=False, **kw)
-    errs = {"out": _max_err(out, ref_o.detach()), "lse": _max_err(lse, ref_lse.detach())}
+    into[0].copy_(ref_o.detach())
+    into[1].copy_(ref_lse.detach())
     terrs = {"out": _max_err(low_o.detach(), ref_o.detach()),
              "lse": _max_err(low_lse.detach(), ref_lse.detach())}
-    if grads is not None:
-        assert do is not None
+    if do is not None:
+        assert into[2] is not None
         r = torch.autograd.grad(ref_o, (q32, k32, v32), do.float())
         lg = torch.autograd.grad(low_o, (ql, kl, vl), do)
-        for name, g, rg, lowg in zip(("dq", "dk", "dv"), grads, r, lg, strict=True):
-            errs[name] = _max_err(g, rg)
+        for name, dst, rg, lowg in zip(("dq", "dk", "dv"), into[2], r, lg, strict=True):
+            dst.copy_(rg)
             terrs[name] = _max_err(lowg, rg)
-    return errs, terrs
+    return terrs
+
+
+class GateCase:
+    """One problem's gate inputs, drawn once from ``generator``, and their fp32 reference:
+    every candidate of a search is checked on them (:meth:`check`), so the reference,
+    the costly part of a gate, is computed once per problem and direction.
+
+    ``direction="fwd"`` checks O and the LSE; ``"bwd"`` checks dq, dk and dv, on O and
+    the LSE of the heuristic default forward, made once. A packed problem runs its
+    representative packed batch (``Problem.packed_lengths``).
+    """
+
+    def __init__(self, problem: Any, direction: str, *, device: torch.device | str,
+                 generator: torch.Generator | None = None):
+        from flashtune.kernels.attn_fwd import Packed, attn_fwd
+        from flashtune.kernels.config import default_fwd
+        from flashtune.timing import make_inputs, packed_layout
+
+        p = self.problem = problem
+        self.direction = direction
+        self.q, self.k, self.v = (t.to(device) for t in make_inputs(p, "cpu",
+                                                                    generator=generator))
+        layout = packed_layout(p, device)
+        self.packed = None if layout is None else Packed(*layout)
+        scale = default_scale(p.head_dim)
+        self.kw: dict[str, Any] = dict(causal=p.causal, sm_scale=scale, window=p.window,
+                                       softcap=p.softcap, packed=self.packed)
+        self.do: torch.Tensor | None = None
+        self.fwd_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if direction == "bwd":
+            self.do = torch.randn(self.q.shape, generator=generator,
+                                  dtype=torch.float32).to(device, self.q.dtype)
+            self.fwd_out = attn_fwd(self.q, self.k, self.v, config=default_fwd(p), **self.kw)
+        self.ref = reference(
+            self.q, self.k, self.v, self.do, causal=p.causal, softmax_scale=scale,
+            window_size=p.window, softcap=p.softcap,
+            cu_seqlens_q=None if self.packed is None else self.packed.cu_q,
+            cu_seqlens_k=None if self.packed is None else self.packed.cu_k)
+
+    def check(self, config: Any, factor: float = 2.0) -> Comparison:
+        """Run ``config`` on the case's inputs and judge its outputs under the 2x rule.
+
+        The outputs are then filled with NaN before they go back to PyTorch's allocator:
+        a later candidate that leaves part of its output unwritten, in memory that held
+        this one's correct answer, must not pass on it."""
+        from flashtune.kernels.attn_bwd import attn_bwd
+        from flashtune.kernels.attn_fwd import attn_fwd
+
+        q, k, v, kw = self.q, self.k, self.v, self.kw
+        if self.direction == "fwd":
+            o, lse = attn_fwd(q, k, v, config=config, **kw)
+            errs = self.ref.errors(o, lse)
+            outs: tuple[torch.Tensor, ...] = (o, lse)
+        else:
+            assert self.do is not None and self.fwd_out is not None
+            o, lse = self.fwd_out
+            grads = attn_bwd(self.do, q, k, v, o, lse, config=config,
+                             deterministic=self.problem.deterministic, **kw)
+            errs = self.ref.errors(o, lse, grads)
+            errs = {n: errs[n] for n in ("dq", "dk", "dv")}  # judged on its own outputs
+            outs = tuple(grads)
+        ok, ratio, detail = within_rule(errs, self.ref.torch_errors, factor)
+        for t in outs:
+            t.fill_(math.nan)
+        return Comparison(ok, max(errs.values()), ratio, detail, errs)
 
 
 def compare(problem: Any, direction: str, config: Any, *, device: torch.device | str,
             generator: torch.Generator | None = None, factor: float = 2.0) -> Comparison:
-    """The correctness gate: run ``config`` on fresh random inputs for ``problem`` and
-    check it against the fp32 reference under the 2x rule.
-
-    ``direction="fwd"`` checks O and the LSE (config: FwdConfig); ``"bwd"`` checks dq, dk
-    and dv (config: BwdConfig; the forward runs with the heuristic default). A packed
-    problem runs its representative packed batch (``Problem.packed_lengths``).
-    """
-    from flashtune.kernels.attn_bwd import attn_bwd
-    from flashtune.kernels.attn_fwd import Packed, attn_fwd
-    from flashtune.kernels.config import default_fwd
-    from flashtune.timing import make_inputs, packed_layout
-
-    p = problem
-    q, k, v = (t.to(device) for t in make_inputs(p, "cpu", generator=generator))
-    layout = packed_layout(p, device)
-    packed = None if layout is None else Packed(*layout)
-    scale = default_scale(p.head_dim)
-    kw = dict(causal=p.causal, sm_scale=scale, window=p.window, softcap=p.softcap, packed=packed)
-    fcfg = config if direction == "fwd" else default_fwd(p)
-    o, lse = attn_fwd(q, k, v, config=fcfg, **kw)
-    do = grads = None
-    if direction == "bwd":
-        do = torch.randn(q.shape, generator=generator, dtype=torch.float32).to(device, q.dtype)
-        grads = attn_bwd(do, q, k, v, o, lse, config=config, deterministic=p.deterministic,
-                         **kw)
-    ref_kw: dict[str, Any] = dict(causal=p.causal, softmax_scale=scale, window_size=p.window,
-                                  softcap=p.softcap)
-    if packed is None:
-        errs, terrs = reference_errors(q, k, v, do, o, lse, grads, **ref_kw)
-    else:
-        errs, terrs = varlen_reference_errors(q, k, v, packed.cu_q, packed.cu_k, do, o, lse,
-                                              grads, **ref_kw)
-    if direction == "bwd":  # the gate for a backward config judges its own outputs
-        errs = {n: errs[n] for n in ("dq", "dk", "dv")}
-    ok, ratio, detail = within_rule(errs, terrs, factor)
-    return Comparison(ok, max(errs.values()), ratio, detail, errs)
+    """The correctness gate on one set of fresh random inputs: ``GateCase(...).check``."""
+    return GateCase(problem, direction, device=device, generator=generator).check(config, factor)

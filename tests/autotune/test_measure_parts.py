@@ -91,3 +91,91 @@ def test_time_parts_on_gpu_separates_unequal_launches() -> None:
     assert t_big > 4 * t_small > 0
     assert t_small + t_big == pytest.approx(tm.median_ms, rel=0.1)
     assert not tm.interpreter
+
+
+@pytest.mark.gpu
+def test_adaptive_timing_stops_when_the_median_is_known_and_abandons_slow_candidates() -> None:
+    """With rel_tol, a steady kernel is timed in far fewer repetitions than the cap; with
+    abandon_ms below its time, fewer still; the medians agree with the full protocol."""
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def mm() -> None:
+        a @ a
+
+    def timed(**kw: float | None) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        tm, _ = time_parts([mm], warmup_ms=5, rep_ms=400, **kw)  # type: ignore[arg-type]
+        return tm.median_ms, time.perf_counter() - t0
+
+    full_ms, full_s = timed()
+    fast_ms, fast_s = timed(rel_tol=0.02)
+    slow_ms, slow_s = timed(rel_tol=0.001, abandon_ms=full_ms / 2)
+    assert fast_ms == pytest.approx(full_ms, rel=0.05)
+    assert slow_ms == pytest.approx(full_ms, rel=0.1)
+    assert fast_s < 0.5 * full_s and slow_s < 0.5 * full_s
+
+
+def test_median_interval_covers_the_true_median_about_95_percent(seed: int) -> None:
+    """Over many samples of a distribution whose median is known (0), the interval holds
+    it about 95% of the time (93% at n=31), and it narrows as the sample grows."""
+    from flashtune.timing import median_interval
+
+    gen = torch.Generator().manual_seed(seed)
+    covered, widths = 0, {31: [], 301: []}
+    for n in (31, 301):
+        for _ in range(400):
+            xs = torch.randn(n, generator=gen).tolist()
+            med, lo, hi = median_interval(xs)
+            assert lo <= med <= hi
+            covered += n == 31 and lo <= 0.0 <= hi
+            widths[n].append(hi - lo)
+    assert 0.85 <= covered / 400 <= 0.99  # ~93% at n=31 (the ranks are whole numbers)
+    assert sum(widths[301]) < 0.5 * sum(widths[31])
+    assert median_interval([3.0]) == (3.0, 3.0, 3.0)
+
+
+def test_gate_reference_is_made_once_per_direction_and_reused(device: str, seed: int) -> None:
+    """The first measurement of a problem pays for the reference; later ones check other
+    configs against it, and still catch a wrong one."""
+    from flashtune.autotune import _faults
+    from flashtune.autotune.measure import measure
+    from flashtune.kernels.config import FwdConfig
+
+    bench = Bench(P, device, seed=seed)
+    first = measure(bench, "fwd", default_fwd(P), seed=seed, cpu_reps=1)
+    second = measure(bench, "fwd", FwdConfig(block_m=16, block_n=16, num_warps=2), seed=seed,
+                     cpu_reps=1)
+    assert first.status == second.status == "ok", (first.detail, second.detail)
+    assert first.reference_s > 0 and second.reference_s == 0
+    with _faults.kernel_fault("corrupt", "fwd"):
+        wrong = measure(bench, "fwd", default_fwd(P), seed=seed, cpu_reps=1)
+    assert wrong.status == "gate" and wrong.reference_s == 0
+    bwd = measure(bench, "bwd", BwdConfig(dkdv_block_n=32, dq_block_m=32), seed=seed,
+                  cpu_reps=1)
+    assert bwd.status == "ok" and bwd.reference_s > 0
+
+
+def test_a_candidate_that_leaves_its_output_unwritten_fails_on_a_reused_case(
+        monkeypatch: pytest.MonkeyPatch, device: str, seed: int) -> None:
+    """Candidates share one gate case; a kernel that writes nothing, returning memory that
+    held the previous candidate's correct answer, must still fail: the case fills each
+    candidate's outputs with NaN once it has judged them."""
+    import flashtune.kernels.attn_fwd as fwd_mod
+    from flashtune.kernels.reference import GateCase
+
+    case = GateCase(P, "fwd", device=device, generator=torch.Generator().manual_seed(seed))
+    real = fwd_mod.attn_fwd
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def lazy(*a: object, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if not kept:  # computes once, then hands back the same memory unwritten
+            kept.append(real(*a, **kw))  # type: ignore[arg-type]
+        return kept[0]
+
+    monkeypatch.setattr(fwd_mod, "attn_fwd", lazy)
+    assert case.check(default_fwd(P)).ok
+    assert bool(torch.isnan(kept[0][0]).all())
+    again = case.check(default_fwd(P))
+    assert not again.ok and again.max_error == float("inf")
