@@ -3,7 +3,7 @@
     python benchmarks/tune_autotuner.py parallel   --out DIR [--workers 14]
     python benchmarks/tune_autotuner.py quality    --out DIR [--directions fwd,bwd]
     python benchmarks/tune_autotuner.py vs-default --out DIR [--trials 40 | --time-budget S]
-    python benchmarks/tune_autotuner.py cost       --out DIR [--trials 12] [--tag before]
+    python benchmarks/tune_autotuner.py cost       --out DIR [--trials 12 | --time-budget S]
     python benchmarks/tune_autotuner.py budget     --out DIR --time-budget S [--factor 5]
 
 - parallel: the same seeded TPE search (trials fixed) with N compile workers and with 1,
@@ -265,7 +265,8 @@ def cmd_cost(args: argparse.Namespace) -> None:
         for d in args.directions.split(","):
             for p in COST_PROBLEMS:
                 t0 = time.perf_counter()
-                r = tune(p, d, trials=args.trials or 12, storage=url, session=sess,
+                r = tune(p, d, trials=None if args.time_budget else (args.trials or 12),
+                         time_budget=args.time_budget, storage=url, session=sess,
                          seed=args.seed, store=False)
                 tune_s = time.perf_counter() - t0
                 study = optuna.load_study(study_name=r.study_name, storage=optuna_storage(url))

@@ -32,19 +32,28 @@ from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 from flashtune.problem import Problem, default_scale
 from flashtune.timing import Timing, make_inputs, packed_layout, time_fn, time_parts
 
-# The gate materialises fp32 scores of size B*Hq*Sq*Sk (several copies with autograd).
-# Above this many score elements it runs on a problem with fewer batches/heads: a tile
-# config's correctness does not depend on how many (batch, head) programs there are.
-# The reference draws its inputs on the host, so the query rows are capped as well.
+# The gate materialises fp32 scores of size B*Hq*Sq*Sk (in slices, once per problem and
+# direction). Above this many score elements it runs on a problem with fewer batches and
+# heads: a tile config's correctness does not depend on how many (batch, head) programs
+# there are. The reference draws its inputs on the host, so the query rows count too.
 GATE_MAX_SCORES = 1 << 26
 GATE_MAX_ROWS = 1 << 16
+
+
+def _same_specialization(a: int, b: int) -> bool:
+    """Whether Triton specializes an int argument alike for ``a`` and ``b`` (equal to 1;
+    divisible by 16): a head count outside the class of the timed problem's would make
+    the gate compile every candidate again, on the critical path."""
+    return (a == 1) == (b == 1) and (a % 16 == 0) == (b % 16 == 0)
 
 
 def gate_problem(p: Problem) -> Problem:
     """``p``, or ``p`` with batch and then heads reduced so the reference stays small
     (every tile config still sees the full sequence lengths, masks and GQA ratio). A
     packed problem keeps its sequences (the reference checks one at a time) and loses
-    heads only."""
+    heads only. Heads are halved only while both counts keep the specialization class of
+    ``p``'s (see :func:`_same_specialization`), so the gate runs the binaries the compile
+    pool built (for batch 1); past that the reference runs in slices."""
     per_bh = p.seqlen_q * p.seqlen_k
     batch, hq, hk = p.batch, p.heads_q, p.heads_kv
 
@@ -56,7 +65,8 @@ def gate_problem(p: Problem) -> Problem:
 
     while batch > 1 and big() and not p.packed:
         batch = max(1, batch // 2)
-    while hk > 1 and hk % 2 == 0 and big():
+    while (hk > 1 and hk % 2 == 0 and big() and _same_specialization(hq // 2, p.heads_q)
+           and _same_specialization(hk // 2, p.heads_kv)):
         hk //= 2
         hq //= 2
     return replace(p, batch=batch, heads_q=hq, heads_kv=hk)

@@ -34,6 +34,11 @@ from flashtune.cli._common import (
     where,
 )
 
+# The default search per (problem, direction) on a GPU: the standard preset (30 shapes,
+# forward and backward) then takes under 20 minutes on one H200, cold caches included
+# (BENCHMARKS.md, "Sweep speed").
+SWEEP_TIME_BUDGET = 12.0
+
 
 class _Watch(threading.Thread):
     """Polls the claims board and shows progress: a live display on a terminal, one line
@@ -223,8 +228,9 @@ def _check_gpus(gpus: list[str]) -> Any:
 
 @click.command("sweep")
 @shape_options
-@search_options("Candidates measured per problem and direction (default: the tuner's).",
-                "Seconds of search per problem and direction.")
+@search_options("Candidates measured per problem and direction.",
+                "Seconds of search per problem and direction (with neither this nor --trials: "
+                f"{SWEEP_TIME_BUDGET:g} s on a GPU, the tuner's 50 trials under --interpret).")
 @click.option("--gpus", default=None, metavar="0,1,...",
               help="Run one worker process per listed GPU (CUDA_VISIBLE_DEVICES each).")
 @click.option("--retry-failed", is_flag=True, help="Tune again the problems that failed.")
@@ -263,6 +269,8 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
            as_json: bool, from_stale: bool = False) -> None:
     gpu_ids = _parse_gpus(gpus)
     interpreter = kernel_mode("sweep", interpret)
+    if trials is None and time_budget is None and not interpreter:
+        time_budget = SWEEP_TIME_BUDGET
     if from_stale:
         given = [n for n, v in (("--preset", preset), ("--shapes", shapes),
                                 ("--from-misses", from_misses)) if v]

@@ -7,6 +7,7 @@ the inputs' own dtype, which is "PyTorch's own low-precision error" in the 2x ru
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,40 +156,51 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     """
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap)
+    hq, hk = q.shape[1], k.shape[1]  # (B, H, S, D) dense, (total, H, D) packed
+    group = hq // hk
+    # Slices: (q-side view, k-side view, lse view), each a function of a full tensor.
+    Take = Callable[[torch.Tensor], torch.Tensor]
+    slices: list[tuple[Take, Take, Take]] = []
     if cu_seqlens_q is not None:
         assert cu_seqlens_k is not None
-        lse_like = torch.empty(q.shape[1], q.shape[0], device=q.device)
-        slices = [((slice(qa, qb),), (slice(ka, kb),), _seq)
-                  for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k)]
+        lse_full = torch.empty(hq, q.shape[0], device=q.device)
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+            step = _heads_per_slice(hk, group, (qb - qa) * (kb - ka))
+            for h0 in range(0, hk, step):
+                h1 = min(hk, h0 + step)
+                slices.append((
+                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: _seq(t[:, x:y], a, b),
+                    lambda t, a=ka, b=kb, x=h0, y=h1: _seq(t[:, x:y], a, b),
+                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: t[None, x:y, a:b]))
     else:
-        b, hq, sq = q.shape[:3]
-        hk, sk = k.shape[1], k.shape[2]
-        group = hq // hk
-        lse_like = torch.empty(b, hq, sq, device=q.device)
-        step = hk if b * hq * sq * sk <= REF_CHUNK_SCORES \
-            else max(1, REF_CHUNK_SCORES // (group * sq * sk))
-        bs = [slice(None)] if step == hk else [slice(i, i + 1) for i in range(b)]
-        slices = [((bi, slice(h0 * group, min(hk, h0 + step) * group)),
-                   (bi, slice(h0, min(hk, h0 + step))), None)
-                  for bi in bs for h0 in range(0, hk, step)]
-    ref = Reference(torch.empty(q.shape, device=q.device), lse_like,
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+        lse_full = torch.empty(b, hq, sq, device=q.device)
+        step = _heads_per_slice(hk, group, sq * sk, batch=b)
+        whole = step == hk and b * hq * sq * sk <= REF_CHUNK_SCORES
+        for bi in [slice(None)] if whole else [slice(i, i + 1) for i in range(b)]:
+            for h0 in range(0, hk, step):
+                h1 = min(hk, h0 + step)
+                slices.append((lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y],
+                               lambda t, i=bi, x=h0, y=h1: t[i, x:y],
+                               lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y]))
+    ref = Reference(torch.empty(q.shape, device=q.device), lse_full,
                     None if do is None else (torch.empty(q.shape, device=q.device),
                                              torch.empty(k.shape, device=q.device),
                                              torch.empty(v.shape, device=q.device)), {})
-    for qi, ki, packed in slices:
-        def qs(t: torch.Tensor) -> torch.Tensor:
-            return packed(t, qi[0].start, qi[0].stop) if packed else t[qi]  # noqa: B023
-
-        def ks(t: torch.Tensor) -> torch.Tensor:
-            return packed(t, ki[0].start, ki[0].stop) if packed else t[ki]  # noqa: B023
-
-        lse_view = ref.lse[None, :, qi[0]] if packed else ref.lse[qi]
-        outs = (qs(ref.out), lse_view, None if ref.grads is None
+    for qs, ks, ls in slices:
+        outs = (qs(ref.out), ls(ref.lse), None if ref.grads is None
                 else (qs(ref.grads[0]), ks(ref.grads[1]), ks(ref.grads[2])))
         terrs = _reference_into(qs(q), ks(k), ks(v), None if do is None else qs(do), outs, kw)
         for name, e in terrs.items():
             ref.torch_errors[name] = max(ref.torch_errors.get(name, 0.0), e)
     return ref
+
+
+def _heads_per_slice(hk: int, group: int, scores_per_head: int, batch: int = 1) -> int:
+    """KV heads per reference slice: all of them when the whole fits REF_CHUNK_SCORES."""
+    if batch * hk * group * scores_per_head <= REF_CHUNK_SCORES:
+        return hk
+    return max(1, REF_CHUNK_SCORES // (group * scores_per_head))
 
 
 def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None,

@@ -179,3 +179,30 @@ def test_a_candidate_that_leaves_its_output_unwritten_fails_on_a_reused_case(
     assert bool(torch.isnan(kept[0][0]).all())
     again = case.check(default_fwd(P))
     assert not again.ok and again.max_error == float("inf")
+
+
+def test_gate_problem_keeps_the_compiled_specialization_and_shrinks_where_it_can() -> None:
+    """The gate's problem keeps sequence lengths, masks and the GQA ratio; its head counts
+    stay in the timed problem's specialization class (so the pool's binaries serve it);
+    and it is within the caps unless one more halving would leave that class."""
+    from flashtune.autotune import measure as m
+    from flashtune.autotune.presets import preset
+
+    probs = [p for name in ("standard", "llama3-8b", "gpt2", "llama3-8b-packed")
+             for p in preset(name)]
+    for p in probs:
+        g = m.gate_problem(p)
+        assert (g.seqlen_q, g.seqlen_k, g.causal, g.window, g.total_q, g.head_dim) == \
+            (p.seqlen_q, p.seqlen_k, p.causal, p.window, p.total_q, p.head_dim)
+        assert g.heads_q * p.heads_kv == p.heads_q * g.heads_kv
+        assert m._same_specialization(g.heads_q, p.heads_q)
+        assert m._same_specialization(g.heads_kv, p.heads_kv)
+        rows = g.heads_q * (g.total_q if g.packed else g.batch * g.seqlen_q)
+        within = rows <= m.GATE_MAX_ROWS and (g.packed or g.batch * g.heads_q * g.seqlen_q
+                                              * g.seqlen_k <= m.GATE_MAX_SCORES)
+        stuck = (g.batch == 1 or g.packed) and not (
+            g.heads_kv % 2 == 0 and m._same_specialization(g.heads_q // 2, p.heads_q)
+            and m._same_specialization(g.heads_kv // 2, p.heads_kv))
+        assert within or stuck, (p, g)
+    assert m._same_specialization(32, 16) and not m._same_specialization(16, 8)
+    assert not m._same_specialization(2, 1) and m._same_specialization(8, 4)
