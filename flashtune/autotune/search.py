@@ -204,8 +204,6 @@ class Search:
         if point is not None:
             self.study.enqueue_trial(point, user_attrs={"seed_source": source})
         trial = self.study.ask()
-        trial.set_user_attr("host", self.host)
-        trial.set_user_attr("pid", self.pid)
         cfg = self.s.space.suggest(trial, self.problem)
         params = config_to_dict(cfg)
         ok, reason = self.s.space.feasible(cfg, self.problem)
@@ -250,6 +248,8 @@ class Search:
         return self.dup_streak < _MAX_DUPLICATE_STREAK or self._exhausted("duplicates")
 
     def _queue(self, trial: Any, params: Params, front: bool) -> None:
+        trial.set_user_attr("host", self.host)  # who measures it (infeasible ones: nobody)
+        trial.set_user_attr("pid", self.pid)
         fut = None
         pool = self.session.pool
         if pool is not None:
@@ -377,12 +377,24 @@ class Search:
                 while len(self.pending) < self.lookahead and self._budget_left():
                     if not self.ask():
                         break
+                    if self._head_ready():
+                        break  # measure it now; filling the lookahead can wait
                 if not self.pending or self._hard_stop():
                     break
                 self.measure(*self.pending[0])
                 self.pending.popleft()
         finally:
             self._cancel_pending()
+
+    def _head_ready(self) -> bool:
+        """Whether the next candidate in the queue can be measured without waiting for its
+        compile. Asking is what the loop does while compiles run; where most proposals
+        are infeasible (large tiles at head dim 128) filling a deep lookahead takes many
+        asks, and the GPU must not sit idle behind them."""
+        if not self.pending:
+            return False
+        fut = self.pending[0][2]
+        return fut is None or fut.done()
 
     def _cancel_pending(self) -> None:
         """Interrupted (or stopped with candidates queued): those trials did not finish."""
