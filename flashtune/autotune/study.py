@@ -51,10 +51,12 @@ def study_name(device_fp: str, software_fp: str, problem: Problem, direction: st
     return name
 
 
-def optuna_storage(url: str, owner: Any = None) -> Any:
+def optuna_storage(url: str, owner: Any = None, *, create: bool = True) -> Any:
     """Optuna's storage for our database URL: RDB storage on the same database, or, for an
     in-memory SQLite database, an in-memory Optuna storage that lives as long as
-    ``owner`` (our storage object: each in-memory database has its own studies)."""
+    ``owner`` (our storage object: each in-memory database has its own studies).
+    ``create=False``: a missing SQLite file raises DatabaseMissingError (it was deleted
+    since our own storage opened it) instead of being made again, empty."""
     import optuna
 
     if url in ("sqlite://", "sqlite:///:memory:") or url.endswith(":memory:"):
@@ -64,10 +66,10 @@ def optuna_storage(url: str, owner: Any = None) -> Any:
             return _MEMORY_STUDIES.setdefault(owner, optuna.storages.InMemoryStorage())
         except TypeError:  # not weak-referenceable
             return optuna.storages.InMemoryStorage()
-    return _rdb_storage(url)
+    return _rdb_storage(url, create=create)
 
 
-def _rdb_storage(url: str, attempts: int = 8) -> Any:
+def _rdb_storage(url: str, attempts: int = 8, *, create: bool = True) -> Any:
     """Optuna's RDB storage, created race-free. Optuna creates its tables and stamps their
     version on first use without a lock, so processes that open one new database together
     collide ("table studies already exists", a duplicate version row). The loser retries
@@ -77,12 +79,18 @@ def _rdb_storage(url: str, attempts: int = 8) -> Any:
     from sqlalchemy.engine import make_url
 
     from flashtune.db.rdb import rw_uri
+    from flashtune.exceptions import DatabaseMissingError
 
     u = make_url(url)
     if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:") \
-            and not str(u.database).startswith("file:") and Path(str(u.database)).is_file():
-        # Never create the file again once it exists (our own engine does the same).
-        url = f"sqlite:///{rw_uri(Path(str(u.database)))}&uri=true"
+            and not str(u.database).startswith("file:"):
+        path = Path(str(u.database))
+        if not create and not path.is_file():
+            raise DatabaseMissingError(f"{path}: the database file was deleted or replaced "
+                                       "while in use; nothing more is written")
+        if path.is_file():
+            # Never create the file again once it exists (our own engine does the same).
+            url = f"sqlite:///{rw_uri(path)}&uri=true"
     for i in range(attempts):
         try:
             return optuna.storages.RDBStorage(url)
@@ -117,7 +125,9 @@ def open_study(name: str, url: str, owner: Any, sampler: Any, attrs: dict[str, A
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=name, storage=optuna_storage(url, owner),
+    # Our storage ``owner`` made the database already: Optuna must never make it again.
+    study = optuna.create_study(study_name=name, storage=optuna_storage(url, owner,
+                                                                        create=False),
                                 sampler=sampler, direction="minimize", load_if_exists=True)
     if "problem" not in study.user_attrs:
         for k, v in attrs.items():

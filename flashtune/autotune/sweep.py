@@ -154,7 +154,7 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
     device, software = device_info(), software_info()
     board.recover_local(sid)
     prepare_optuna(opts.db_url)
-    with open_storage(opts.db_url) as storage, TuneSession() as session:
+    with open_storage(opts.db_url, create=False) as storage, TuneSession() as session:
         while True:
             task = board.claim(sid, worker, lease_s=opts.lease_s, retry_failed=opts.retry_failed)
             if task is None:
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = list(sys.argv[1:] if argv is None else argv)
         spec = json.loads(sys.stdin.read() if args[0] == "-" else args[0])
         opts = Options(**spec["options"])
-        with Board(opts.db_url) as board:
+        with Board(opts.db_url, create=False) as board:
             did = run_worker(board, spec["sweep_id"], opts,
                              worker=worker_id(spec.get("label", "")))
     except KeyboardInterrupt:

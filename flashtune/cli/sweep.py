@@ -56,8 +56,13 @@ class _Watch(threading.Thread):
 
     def run(self) -> None:
         from flashtune.db.claims import Board
+        from flashtune.exceptions import StorageError
 
-        with Board(self.url) as board:
+        try:  # never make the file again: gone now means deleted under the sweep
+            board = Board(self.url, create=False)
+        except StorageError:
+            return  # the workers report it; a watcher shows nothing
+        with board:
             if self.mode == "live":
                 from rich.live import Live
 
@@ -300,7 +305,7 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
         prepare_optuna(url)
         # One board for the whole sweep: its every transaction, the last read included,
         # checks that the database file is the one the sweep started on.
-        with Board(url) as board:
+        with Board(url, create=False) as board:
             sid = board.create(device, software, todo, trials)
             freed = board.recover_local(sid)
             opts = Options(db_url=url, trials=trials, time_budget=time_budget, lease_s=lease,

@@ -67,14 +67,17 @@ def resolve_url(url: str | os.PathLike[str] | None = None) -> str:
 
 
 def open_storage(url: str | os.PathLike[str] | None = None, *,
-                 read_only: bool = False, busy_timeout: float | None = None) -> Storage:
+                 read_only: bool = False, busy_timeout: float | None = None,
+                 create: bool = True) -> Storage:
     """Open (creating or upgrading if needed, unless ``read_only``) the tuning database.
 
     See :func:`resolve_url` for ``url``. SQLite runs in WAL mode with a 30 s busy
     timeout (``busy_timeout`` seconds instead, e.g. short for the dispatcher, which must
-    never stall a training step); a read-only database that does not exist raises a
-    StorageError.
+    never stall a training step); a SQLite file that does not exist raises a
+    :class:`~flashtune.exceptions.DatabaseMissingError` if opened ``read_only`` or with
+    ``create=False``.
     """
     from flashtune.db.rdb import RDBStorage
 
-    return RDBStorage(resolve_url(url), read_only=read_only, busy_timeout=busy_timeout)
+    return RDBStorage(resolve_url(url), read_only=read_only, busy_timeout=busy_timeout,
+                      create=create)

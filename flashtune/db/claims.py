@@ -116,9 +116,12 @@ def check_lease(lease_s: float) -> None:
 
 
 class Board:
-    """The claims table of one database: create sweeps, claim and settle their tasks."""
+    """The claims table of one database: create sweeps, claim and settle their tasks.
 
-    def __init__(self, url: str) -> None:
+    ``create=False`` (a sweep's workers and watcher) refuses to make a missing SQLite file:
+    the sweep command made it, so one that is gone was deleted under the sweep."""
+
+    def __init__(self, url: str, *, create: bool = True) -> None:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import SQLAlchemyError
 
@@ -136,7 +139,7 @@ class Board:
         # The storage's engine recipe, and its migrations create the tables; every claims
         # transaction may write, so it takes the write lock up front (BEGIN IMMEDIATE on
         # SQLite): two workers never both read a task as free, and never deadlock upgrading.
-        self._storage = RDBStorage(u.render_as_string(hide_password=False))
+        self._storage = RDBStorage(u.render_as_string(hide_password=False), create=create)
         self.engine = self._storage.engine.execution_options(**{WRITE_OPTION: True})
 
     def close(self) -> None:

@@ -125,7 +125,8 @@ def rw_uri(path: Path) -> str:
     return f"file:{quote(str(path.absolute()))}?mode=rw"
 
 
-def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None) -> Engine:
+def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None,
+                   create: bool = True) -> Engine:
     timeout = BUSY_TIMEOUT_S if busy_timeout is None else busy_timeout
     db = url.database
     if not db or db == ":memory:":
@@ -144,6 +145,10 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None)
                 "sqlite://", creator=lambda: sqlite3.connect(
                     uri, uri=True, timeout=timeout, check_same_thread=False))
         else:
+            if not create and not path.is_file():
+                raise DatabaseMissingError(
+                    f"{path}: no such database; it was deleted or replaced while in use, "
+                    "or never made (the sweep command makes it before its workers start)")
             path.parent.mkdir(parents=True, exist_ok=True)
             sqlite3.connect(path).close()  # create it now, and never again (below)
             engine = create_engine(f"sqlite:///{rw_uri(path)}&uri=true",
@@ -171,10 +176,11 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None)
     return engine
 
 
-def _create_engine(url_text: str, read_only: bool, busy_timeout: float | None = None) -> Engine:
+def _create_engine(url_text: str, read_only: bool, busy_timeout: float | None = None,
+                   create: bool = True) -> Engine:
     url = make_url(url_text)
     if url.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, read_only, busy_timeout)
+        return _sqlite_engine(url, read_only, busy_timeout, create)
     if url.get_backend_name() != "postgresql":
         raise ArgumentError(f"{url.get_backend_name()} is not supported; use SQLite or "
                             "PostgreSQL")
@@ -238,10 +244,15 @@ def _sqlite_foreign_keys(conn: Any, *, on: bool) -> None:
 
 
 class RDBStorage(Storage):
-    """:class:`Storage` on any SQLAlchemy URL of SQLite or PostgreSQL."""
+    """:class:`Storage` on any SQLAlchemy URL of SQLite or PostgreSQL.
+
+    A SQLite file is created when missing, unless ``create`` is false (the sweep's own
+    connections: the file was made before they open, and one that is gone was deleted
+    under the sweep, so making it again would start an empty database in its place).
+    """
 
     def __init__(self, url: str, *, read_only: bool = False,
-                 busy_timeout: float | None = None) -> None:
+                 busy_timeout: float | None = None, create: bool = True) -> None:
         self.url = url
         self.read_only = read_only
         try:
@@ -263,7 +274,7 @@ class RDBStorage(Storage):
             url = parsed.difference_update_query(["mode"]).render_as_string(
                 hide_password=False)
         try:
-            self.engine = _create_engine(url, read_only, busy_timeout)
+            self.engine = _create_engine(url, read_only, busy_timeout, create)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise StorageError(f"{self._where}: cannot use this URL ({_first_line(e)})") from None
         _ENGINES.add(self.engine)

@@ -181,3 +181,26 @@ def test_concurrent_processes_claim_each_task_once(db_url: str) -> None:
     assert Counter(claimed).most_common(1)[0][1] == 1
     with Board(db_url) as b:
         assert {t.state for t in b.tasks(sid)} == {"done"}
+
+
+def test_sweep_connections_never_make_a_deleted_database_again(tmp_path: Path) -> None:
+    """A board, storage or Optuna storage that a sweep opens after its file was deleted
+    (a watcher thread starting late, a worker process, the next task's study) fails; made
+    again, the file would take the sweep's results and look like the database."""
+    from flashtune.autotune.study import optuna_storage
+    from flashtune.db import open_storage
+    from flashtune.exceptions import DatabaseMissingError
+
+    db = tmp_path / "gone.db"
+    with Board(f"sqlite:///{db}") as b:  # made by the sweep command
+        b.create(DEV, SW, tasks_for(_problems(1), ["fwd"]), trials=1)
+    for f in tmp_path.glob("gone.db*"):
+        f.unlink()
+    for opener in (lambda: Board(f"sqlite:///{db}", create=False),
+                   lambda: open_storage(str(db), create=False),
+                   lambda: optuna_storage(f"sqlite:///{db}", create=False)):
+        with pytest.raises(DatabaseMissingError, match="deleted or replaced while in use"):
+            opener()
+        assert not db.exists()
+    open_storage(str(db)).close()  # anything else still makes a new database
+    assert db.is_file()
