@@ -155,6 +155,7 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
     board.recover_local(sid)
     prepare_optuna(opts.db_url)
     with open_storage(opts.db_url, create=False) as storage, TuneSession() as session:
+        warm = False
         while True:
             task = board.claim(sid, worker, lease_s=opts.lease_s, retry_failed=opts.retry_failed)
             if task is None:
@@ -170,6 +171,11 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
             try:
                 hit = _cached(storage, device, software, task, opts.trials)
                 note = "cached" if hit is not None else None
+                if hit is None and not warm:
+                    # The processes' start-up is the sweep's, not its first task's budget
+                    # (paid inside it, the first task of every GPU sweep got 1 trial in 12 s).
+                    session.warm()
+                    warm = True
                 result = hit if hit is not None else tune_task(
                     task, opts, storage, session, _Progress(board, task, worker, opts.lease_s))
             except KeyboardInterrupt:

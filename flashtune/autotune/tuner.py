@@ -144,6 +144,14 @@ class TuneSession:
             self._pool = CompilePool(self.compile_workers)
         return self._pool
 
+    def warm(self, timeout: float = 120.0) -> None:
+        """Start the measurement worker and the compile pool now and let them pay their
+        one-time setup (imports, CUDA context), so that the first tune's time budget is
+        spent on its search. A sweep calls this before its first task."""
+        self.worker.start()
+        if self.pool is not None:
+            self.pool.warm(timeout)
+
     def reset_pool(self) -> None:
         if self._pool is not None:
             self._pool.close()

@@ -57,3 +57,19 @@ def test_the_head_is_measured_as_soon_as_its_compile_is_done(compiled: bool,
     loop = Loop(lookahead=3, trials=4, compiled=compiled)
     loop.run()
     assert loop.log == expected and loop.measured == 4 and not loop.pending
+
+
+def test_a_warmed_compile_pool_has_every_process_set_up_before_any_compile() -> None:
+    """CompilePool.warm starts every process and has each pay its imports and the
+    compile-only patch (the CUDA context too, on a GPU) before the first candidate."""
+    from flashtune.autotune._compile import CompilePool
+
+    pool = CompilePool(2)
+    try:
+        assert pool.busy_seconds == 0.0
+        pool.warm(timeout=240)
+        procs = dict(pool._pool._processes or {})
+        assert len(procs) == 2 and all(p.is_alive() for p in procs.values())
+        assert pool.busy_seconds > 0  # two set-ups, measured inside the processes
+    finally:
+        pool.close()

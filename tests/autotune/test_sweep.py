@@ -86,3 +86,28 @@ def test_worker_processes_fill_one_sweep_with_the_tuner(db_url: str) -> None:
     with open_storage(db_url, read_only=True) as st:
         stored = {r.key for r in st.results(include_stale=False)}
     assert {k for k, _ in tasks} <= stored
+
+
+def test_the_first_task_finds_the_processes_started(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep starts its measurement worker before the first task's tune (whose time
+    budget would otherwise pay the start-up), once, and not for a task already tuned."""
+    import flashtune.autotune.sweep as sweep_mod
+    from flashtune.autotune.sweep import Options, run_worker
+    from flashtune.db.fingerprint import device_info, software_info
+
+    db_url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    seen: list[tuple[bool, int]] = []
+    real = sweep_mod.tune_task
+
+    def spy(task, opts, storage, session, progress):  # type: ignore[no-untyped-def]
+        seen.append((session.worker.proc is not None, session.worker.starts))
+        return real(task, opts, storage, session, progress)
+
+    monkeypatch.setattr(sweep_mod, "tune_task", spy)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with Board(db_url) as b:
+        sid = b.create(device_info(), software_info(), tasks_for(_tiny(2), ["fwd"]), 2)
+        assert run_worker(b, sid, Options(db_url=db_url, trials=2)) == \
+            {"done": 2, "failed": 0, "cached": 0}
+    assert seen == [(True, 1), (True, 1)]
