@@ -88,7 +88,7 @@ def _rdb_storage(url: str, attempts: int = 8, *, create: bool = True) -> Any:
         if not create and not path.is_file():
             raise DatabaseMissingError(f"{path}: the database file was deleted or replaced "
                                        "while in use; nothing more is written")
-        if path.is_file():
+        if not create or path.is_file():
             # Never create the file again once it exists (our own engine does the same).
             url = f"sqlite:///{rw_uri(path)}&uri=true"
     for i in range(attempts):

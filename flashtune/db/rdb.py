@@ -149,8 +149,9 @@ def _sqlite_engine(url: Any, read_only: bool, busy_timeout: float | None = None,
                 raise DatabaseMissingError(
                     f"{path}: no such database; it was deleted or replaced while in use, "
                     "or never made (the sweep command makes it before its workers start)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            sqlite3.connect(path).close()  # create it now, and never again (below)
+            if create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                sqlite3.connect(path).close()  # create it now, and never again (below)
             engine = create_engine(f"sqlite:///{rw_uri(path)}&uri=true",
                                    connect_args={"timeout": timeout})
         wal = not read_only
