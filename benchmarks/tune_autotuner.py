@@ -9,7 +9,9 @@
 - parallel: the same seeded TPE search (trials fixed) with N compile workers and with 1,
   each on an empty Triton cache; wall time per trial and the compile share.
 - quality: six standard-matrix problems; an exhaustive search of a stated sub-grid,
-  then TPE with a budget of 20% of the sub-grid's feasible points. "gap" is TPE's
+  then TPE with a budget of 20% of the sub-grid's feasible points. ``--grid conditional``
+  (the default) spans the kernel variants (portable and Hopper, each with its own knobs:
+  the conditional space); ``--grid portable`` is the earlier portable-only sub-grid. "gap" is TPE's
   winner over the exhaustive one: zero when both are the same config, else from
   re-timing both side by side (9 rounds, alternating order); "sweep" is the same
   ratio read off the exhaustive search's own trial times.
@@ -58,6 +60,21 @@ FWD_GRID = dict(block_m=(32, 64, 128, 256), block_n=(16, 32, 64, 128), num_warps
 BWD_GRID = dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(32, 64, 128), dkdv_warps=(4, 8),
                 dkdv_stages=2, dq_block_m=(64, 128), dq_block_n=(16, 32, 64),
                 dq_warps=(4, 8), dq_stages=2, pre_block_m=64, maxnreg=0)
+# The conditional space: both kernel families and their own knobs. A knob a variant does
+# not use stays at its default for that variant, so each kernel appears once; feasible
+# points on sm90 (bf16, deterministic): fwd 153 at D=64 / 128 at D=128 (portable 45/38,
+# Hopper 108/90); bwd 180 / 112 (two-kernel 56/42, one-launch 28/22, Hopper 96/48; the
+# atomic variant cannot serve a deterministic problem).
+FWD_COND_GRID = dict(variant=(0, 1), block_m=(32, 64, 128), block_n=(32, 64, 128),
+                     num_warps=(4, 8), num_stages=(2, 3, 4), persistent=(0, 1),
+                     tile_order=(0, 1, 2), pingpong=(0, 1))
+BWD_COND_GRID = dict(variant=(0, 1, 2, 3), dkdv_block_m=(32, 64), dkdv_block_n=(64, 128),
+                     dkdv_warps=(4, 8), dq_block_m=(64, 128), dq_block_n=(32, 64),
+                     dq_warps=(4, 8), dkdv_atomic_tma=(0, 1), hopper_block_m=(64, 128),
+                     hopper_block_n=(64, 128), hopper_stages=(1, 2, 3, 4),
+                     hopper_regs=(216, 232, 240), hopper_stagger=(0, 1))
+GRIDS = {"portable": {"fwd": FWD_GRID, "bwd": BWD_GRID},
+         "conditional": {"fwd": FWD_COND_GRID, "bwd": BWD_COND_GRID}}
 
 
 def _std(s: int, d: int, causal: bool) -> Problem:
@@ -152,7 +169,7 @@ def cmd_parallel(args: argparse.Namespace) -> None:
 
 def cmd_quality(args: argparse.Namespace) -> None:
     rows = []
-    grids = {"fwd": FWD_GRID, "bwd": BWD_GRID}
+    grids = GRIDS[args.grid]
     t_all = time.perf_counter()
     with TuneSession(compile_workers=args.workers) as sess:
         for d in args.directions.split(","):
@@ -160,7 +177,10 @@ def cmd_quality(args: argparse.Namespace) -> None:
             for i, p in enumerate(QUALITY_PROBLEMS):
                 if args.only and str(i) not in args.only.split(","):
                     continue
-                n_feasible = len(space.feasible_grid(p))
+                feasible = space.feasible_grid(p)
+                n_feasible = len(feasible)
+                by_variant = {v: sum(f.get("variant") == v for f in feasible)
+                              for v in sorted({f.get("variant") for f in feasible})}
                 budget = math.ceil(0.2 * n_feasible)
                 ex_log: list[dict[str, Any]] = []
                 tp_log: list[dict[str, Any]] = []
@@ -180,7 +200,10 @@ def cmd_quality(args: argparse.Namespace) -> None:
                          for t in ex_log if t["status"] == "ok"}
                 sweep_gap = sweep[json.dumps(tp_cfg, sort_keys=True)] / min(sweep.values()) - 1
                 row = {"direction": d, "problem": _label(p), "grid": space.size,
-                       "feasible": n_feasible, "exhaustive_trials": ex.trials,
+                       "grid_name": args.grid, "feasible": n_feasible,
+                       "feasible_by_variant": by_variant,
+                       "exhaustive_variant": ex_cfg.get("variant"),
+                       "tpe_variant": tp_cfg.get("variant"), "exhaustive_trials": ex.trials,
                        "exhaustive_s": ex.search_seconds,
                        "exhaustive_compile_share": ex.compile_seconds / ex.search_seconds,
                        "tpe_trials": tp.trials, "tpe_s": tp.search_seconds,
@@ -194,18 +217,20 @@ def cmd_quality(args: argparse.Namespace) -> None:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if not k.endswith("_log")}),
                       flush=True)
-                tag = args.directions.replace(",", "_") + args.only.replace(",", "")
+                tag = args.grid + "_" + args.directions.replace(",", "_") \
+                    + args.only.replace(",", "")
                 _write(Path(args.out), f"quality_{tag}",
                        {"env": _env_info(), "timing": TIMING, "grids": grids, "rows": rows,
                         "wall_s": time.perf_counter() - t_all})
     print(f"\n{'dir':4} {'problem':26} {'feas':>4} {'ex trials':>9} {'ex s':>6} {'tpe':>4} "
-          f"{'tpe s':>6} {'cmp%':>5} {'ex ms':>8} {'tpe ms':>8} {'gap':>6} {'sweep':>6}")
+          f"{'tpe s':>6} {'cmp%':>5} {'ex ms':>8} {'tpe ms':>8} {'gap':>6} {'sweep':>6} "
+          f"{'variants':>8}")
     for r in rows:
         print(f"{r['direction']:4} {r['problem']:26} {r['feasible']:>4} "
               f"{r['exhaustive_trials']:>9} {r['exhaustive_s']:>6.0f} {r['tpe_trials']:>4} "
               f"{r['tpe_s']:>6.1f} {r['tpe_compile_share']:>5.0%} {r['exhaustive_ms']:>8.4f} "
               f"{r['tpe_ms']:>8.4f} {'same' if r['same_config'] else format(r['gap'], '+6.1%'):>6} "
-              f"{r['sweep_gap']:>+6.1%}")
+              f"{r['sweep_gap']:>+6.1%} {r['exhaustive_variant']}/{r['tpe_variant']}")
 
 
 def cmd_vs_default(args: argparse.Namespace) -> None:
@@ -326,6 +351,7 @@ def cmd_budget(args: argparse.Namespace) -> None:
                        "long_s": long.search_seconds, "same_config": cs == cl,
                        "short_ms": ms[0], "long_ms": ms[-1],
                        "gap": 0.0 if cs == cl else ms[0] / ms[1] - 1,
+                       "short_variant": cs.get("variant"), "long_variant": cl.get("variant"),
                        "short_config": cs, "long_config": cl}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -333,11 +359,13 @@ def cmd_budget(args: argparse.Namespace) -> None:
                        f"_from{args.start}", {"env": _env_info(), "rows": rows,
                                               "time_budget": args.time_budget,
                                               "factor": args.factor})
-    print(f"\n{'dir':4} {'problem':28} {'trials':>11} {'short ms':>9} {'long ms':>9} {'gap':>6}")
+    print(f"\n{'dir':4} {'problem':28} {'trials':>11} {'short ms':>9} {'long ms':>9} {'gap':>6} "
+          f"{'variants':>8}")
     for r in rows:
         print(f"{r['direction']:4} {r['problem']:28} {r['short_trials']:>5}/{r['long_trials']:<5} "
               f"{r['short_ms']:>9.4f} {r['long_ms']:>9.4f} "
-              f"{'same' if r['same_config'] else format(r['gap'], '+6.1%'):>6}")
+              f"{'same' if r['same_config'] else format(r['gap'], '+6.1%'):>6} "
+              f"{r['short_variant']}/{r['long_variant']}")
     if rows:
         print(f"worst gap: {max(r['gap'] for r in rows):+.1%}")
 
@@ -356,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="vs-default, budget: first shape (index)")
     ap.add_argument("--limit", type=int, default=0, help="vs-default: at most this many shapes")
     ap.add_argument("--only", default="", help="quality: comma-separated problem indices")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="conditional",
+                    help="quality: the sub-grid searched exhaustively")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="cost: a label for the output file and table")
     ap.add_argument("--factor", type=float, default=5.0,
