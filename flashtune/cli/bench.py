@@ -22,11 +22,12 @@ from flashtune.cli._common import (
 )
 
 
-def _impls(p: Any, storage: Any, device: Any, software: Any,
-           interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """({name: attn(q, k, v)}, {"tuned": which directions were tuned})."""
+def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({name: attn(q, k, v)}, {"tuned": which directions were tuned, "layers": the layer
+    each tuned config came from}). "tuned" is what the dispatcher serves as tuned for the
+    problem's key: the user database over the shipped layer."""
     from flashtune.kernels.attention import flash_attention
-    from flashtune.kernels.config import config_from_dict, default_bwd, default_fwd
+    from flashtune.kernels.config import default_bwd, default_fwd
     from flashtune.kernels.varlen import flash_attn_varlen_func
     from flashtune.timing import anchors, packed_layout
 
@@ -40,31 +41,30 @@ def _impls(p: Any, storage: Any, device: Any, software: Any,
 
     dflt = (default_fwd(p), default_bwd(p))
     tuned: dict[str, Any] = {}
+    layers: dict[str, str] = {}
     for d in ("fwd", "bwd"):
-        r = storage.get_result(device, software, p.key(d)) if storage is not None else None
-        if r is not None:
-            tuned[d] = config_from_dict(d, r.config)
+        choice = table.choose(p, d)
+        if choice.source == "tuned":
+            tuned[d], layers[d] = choice.config, choice.layer
     impls: dict[str, Any] = {}
     if tuned:
         impls["tuned"] = ours(tuned.get("fwd", dflt[0]), tuned.get("bwd", dflt[1]))
     impls["default"] = ours(*dflt)
     if not interpreter:
         impls.update(anchors(p))
-    return impls, {"tuned": sorted(tuned)}
+    return impls, {"tuned": sorted(tuned), "layers": layers}
 
 
-def _bench_rows(problems: list[Any], storage: Any, interpreter: bool, rep_ms: float,
+def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
-    from flashtune.db.fingerprint import device_info, software_info
     from flashtune.timing import three_timings
 
-    device, software = device_info(), software_info()
     dev = "cpu" if interpreter else "cuda"
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
-        impls, info = _impls(p, storage, device, software, interpreter)
+        impls, info = _impls(p, table, interpreter)
         timings: dict[str, dict[str, Any]] = {}
         for name, fn in impls.items():
             try:
@@ -82,7 +82,7 @@ def _bench_rows(problems: list[Any], storage: Any, interpreter: bool, rep_ms: fl
             ms = {n: t[kind].median_ms for n, t in timings.items()}
             rows.append({"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
                          "tflops": tf, "ms": ms, "ratios": _ratios(tf),
-                         "tuned_directions": info["tuned"]})
+                         "tuned_directions": info["tuned"], "tuned_layers": info["layers"]})
     return rows, errors
 
 
@@ -109,22 +109,18 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
-    from flashtune.db import open_storage
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.exceptions import DatabaseMissingError
+    from flashtune.dispatch._table import load_table
     from flashtune.timing import geomean
 
     with clean_errors():
-        try:
-            storage = open_storage(db_url, read_only=True)
-        except DatabaseMissingError:
-            storage = None  # nothing tuned yet: default and anchors only
-        try:
-            quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
-            rows, errors = _bench_rows(problems, storage, interpreter, rep_ms, quiet)
-        finally:
-            if storage is not None:
-                storage.close()
+        with warnings.catch_warnings():  # the dispatcher's warning is for training runs
+            warnings.simplefilter("ignore", RuntimeWarning)
+            table = load_table(device_info(), db_url)  # a missing database: nothing tuned yet
+        if table.error is not None:
+            raise click.ClickException(f"cannot use the tuning database: {table.error}")
+        quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
+        rows, errors = _bench_rows(problems, table, interpreter, rep_ms, quiet)
     if not any(row["tflops"] for row in rows):
         for e in errors[:20]:
             click.echo(f"failed {e}", err=True)

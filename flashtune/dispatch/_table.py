@@ -96,7 +96,9 @@ def parse(r: Result, layer: str) -> Entry | None:
         return None
 
 
-def load_table(device: DeviceInfo) -> Table:
+def load_table(device: DeviceInfo, url: str | None = None) -> Table:
+    """``device``'s table: the shipped layer under the user database at ``url`` (default:
+    the one the dispatcher uses, ``FLASHTUNE_DB`` or the default place)."""
     counters["table_loads"] += 1
     sw = software_info()
     entries: dict[ProblemKey, Entry] = {}
@@ -108,7 +110,7 @@ def load_table(device: DeviceInfo) -> Table:
     except Exception as e:  # the shipped layer is optional; never fatal
         warn_once("shipped", f"flashtune: cannot read the shipped tuning data ({e}); "
                    "ignoring it")
-    url, user, failed, error = read_user(device, sw)
+    url, user, failed, error = read_user(device, sw, url)
     for key, r in failed.items():  # `autotune verify` failed this config here: never serve it
         shipped = entries.get(key)
         if shipped is not None and dict(shipped.result.config) == dict(r.config):
@@ -124,13 +126,15 @@ def index(entries: dict[ProblemKey, Entry], results: Iterable[tuple[Result, str]
             entries[r.key] = parsed
 
 
-def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[
+def read_user(device: DeviceInfo, sw: SoftwareInfo, url: str | None = None) -> tuple[
         str, dict[ProblemKey, Result], dict[ProblemKey, Result], str | None]:
     """(database, its fresh servable results for ``device``, its fresh results that
-    ``autotune verify`` failed, the error that made it unusable)."""
+    ``autotune verify`` failed, the error that made it unusable). ``url``: a database a
+    command names (a missing one holds nothing yet); None: the dispatcher's own."""
     from flashtune.db import resolve_url
 
-    url = database_url()
+    named = url is not None
+    url = url if named else database_url()
     where = resolve_url(url)
     counters["db_reads"] += 1
     try:
@@ -141,7 +145,8 @@ def read_user(device: DeviceInfo, sw: SoftwareInfo) -> tuple[
             # A locked database must not stall a training step for SQLite's 30 s default.
             storage = open_storage(url, read_only=True, busy_timeout=READ_BUSY_TIMEOUT_S)
         except DatabaseMissingError as e:
-            if url is None:  # no database yet at the default place: the normal first run
+            if url is None or named:  # none yet at the default place (a first run), or
+                # at the place a command named: nothing tuned there
                 log.info("flashtune: %s; using the shipped configs and heuristics", e)
                 return where, {}, {}, None
             raise

@@ -50,6 +50,41 @@ def test_bench_compares_tuned_with_default(tmp_path: Path) -> None:
     assert human.exit_code == 0, human.output
     assert "TFLOP/s, interpreter" in human.stdout and "tuned/default" in human.stdout
     assert "geomean fwd: tuned/default" in human.stdout
+    assert {r["tuned_layers"]["fwd"] for r in doc["rows"]} == {"user"}
+
+
+def test_bench_times_what_a_fresh_install_serves_from_the_shipped_layer(
+        tmp_path: Path, monkeypatch) -> None:
+    """No user database: "tuned" is the shipped layer's entry, as the dispatcher serves it."""
+    from flashtune.db import exchange, open_storage
+
+    team, shapes = str(tmp_path / "team.db"), _shapes(tmp_path)
+    swept = CliRunner().invoke(main, ["sweep", "--interpret", "--shapes", shapes, "--direction",
+                                      "bwd", "--trials", "1", "--db", team])
+    assert swept.exit_code == 0, swept.output
+    with open_storage(team) as st:
+        shipped = tuple(exchange.validate_export(exchange.export_json(st)))
+    assert [r.key.direction for r in shipped] == ["bwd"]
+    monkeypatch.setattr(exchange, "_shipped", lambda: shipped)
+    none = tmp_path / "none.db"
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", shapes, "--db", str(none)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    for r in doc["rows"]:
+        assert set(r["tflops"]) == {"tuned", "default"}
+        assert r["tuned_directions"] == ["bwd"] and r["tuned_layers"] == {"bwd": "shipped"}
+    assert not none.exists()  # reading the layers made no database
+
+
+def test_bench_on_a_garbage_database_says_so_and_leaves_it(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--rep-ms", "1", "--shapes",
+                                    _shapes(tmp_path), "--db", str(bad)])
+    assert res.exit_code == 1 and "cannot use the tuning database" in res.stderr
+    assert "Traceback" not in res.output
+    assert bad.read_bytes() == b"this is not a database" * 100
 
 
 def test_bench_unknown_preset_is_a_usage_error() -> None:
