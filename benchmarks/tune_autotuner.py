@@ -198,7 +198,9 @@ def cmd_quality(args: argparse.Namespace) -> None:
                     ms = _retime(sess, p, d, [ex_cfg, tp_cfg], rounds=9)
                 sweep = {json.dumps(t["config"], sort_keys=True): t["value_ms"]
                          for t in ex_log if t["status"] == "ok"}
-                sweep_gap = sweep[json.dumps(tp_cfg, sort_keys=True)] / min(sweep.values()) - 1
+                # nan when the exhaustive search stopped timing TPE's pick early (plainly slower)
+                sweep_gap = sweep.get(json.dumps(tp_cfg, sort_keys=True), math.nan) \
+                    / min(sweep.values()) - 1
                 row = {"direction": d, "problem": _label(p), "grid": space.size,
                        "grid_name": args.grid, "feasible": n_feasible,
                        "feasible_by_variant": by_variant,
