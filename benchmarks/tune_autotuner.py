@@ -23,8 +23,9 @@
   the confirmation of a new incumbent; the rest of a trial's cycle (Optuna, process
   traffic) as the difference to the search time per trial. Runs on older trees too
   (a field they do not record shows as nan), for a before/after in one process.
-- budget: eight standard-matrix shapes (COST_PROBLEMS and more), forward and backward:
-  a tune with --time-budget S and one with --factor times S, then both winners
+- budget: eight standard-matrix shapes (COST_PROBLEMS and more), forward and backward,
+  in one warmed session (as a sweep's): a tune with --time-budget S and one with --factor
+  times S, then both winners
   re-timed side by side (9 rounds, alternating); "gap" is the short search's winner
   over the long one's.
 
@@ -339,6 +340,11 @@ def cmd_budget(args: argparse.Namespace) -> None:
     if args.limit:
         probs = probs[: args.limit]
     with TuneSession(compile_workers=args.workers) as sess:
+        # As a sweep does before its first task: the worker's and the compile processes'
+        # one-time start (imports, CUDA context) is not charged to the first short search.
+        t0 = time.perf_counter()
+        sess.warm()
+        warm_s = time.perf_counter() - t0
         for d in args.directions.split(","):
             for p in probs:
                 short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
@@ -358,7 +364,7 @@ def cmd_budget(args: argparse.Namespace) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 _write(Path(args.out), f"budget_{args.directions.replace(',', '_')}"
-                       f"_from{args.start}", {"env": _env_info(), "rows": rows,
+                       f"_from{args.start}", {"env": _env_info(), "rows": rows, "warm_s": warm_s,
                                               "time_budget": args.time_budget,
                                               "factor": args.factor})
     print(f"\n{'dir':4} {'problem':28} {'trials':>11} {'short ms':>9} {'long ms':>9} {'gap':>6} "
