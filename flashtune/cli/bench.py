@@ -109,6 +109,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
+    from flashtune._env import database_url
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.dispatch._table import load_table
     from flashtune.timing import geomean
@@ -116,7 +117,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     with clean_errors():
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
-            table = load_table(device_info(), db_url)  # a missing database: nothing tuned yet
+            # --db, else $FLASHTUNE_DB, else the default place; missing: nothing tuned yet
+            table = load_table(device_info(), db_url or database_url())
         if table.error is not None:
             raise click.ClickException(f"cannot use the tuning database: {table.error}")
         quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))

@@ -75,6 +75,12 @@ def test_bench_times_what_a_fresh_install_serves_from_the_shipped_layer(
         assert set(r["tflops"]) == {"tuned", "default"}
         assert r["tuned_directions"] == ["bwd"] and r["tuned_layers"] == {"bwd": "shipped"}
     assert not none.exists()  # reading the layers made no database
+    monkeypatch.setenv("FLASHTUNE_DB", str(none))  # the same database named by the variable
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", shapes])
+    assert res.exit_code == 0, res.output
+    assert [r["tuned_layers"] for r in json.loads(res.stdout)["rows"]] == [{"bwd": "shipped"}] * 3
+    assert not none.exists()
 
 
 def test_bench_on_a_garbage_database_says_so_and_leaves_it(tmp_path: Path) -> None:
