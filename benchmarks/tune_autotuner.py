@@ -27,7 +27,8 @@
   in one warmed session (as a sweep's): a tune with --time-budget S and one with --factor
   times S, then both winners
   re-timed side by side (9 rounds, alternating); "gap" is the short search's winner
-  over the long one's.
+  over the long one's. Each search's measured trials are kept (``*_trials_log``), for
+  replaying on a CPU where the short search went.
 
 Every run uses an in-memory tuning database (nothing is stored on the host) and
 writes a JSON file with the GPU name, versions and date under --out.
@@ -347,11 +348,14 @@ def cmd_budget(args: argparse.Namespace) -> None:
         warm_s = time.perf_counter() - t0
         for d in args.directions.split(","):
             for p in probs:
+                short_log: list[dict[str, Any]] = []
+                long_log: list[dict[str, Any]] = []
                 short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
-                             session=sess, store=False, seed=args.seed)
+                             session=sess, store=False, seed=args.seed,
+                             progress=_trial_log(short_log))
                 long = tune(p, d, time_budget=args.factor * args.time_budget,
                             storage="sqlite://", session=sess, store=False,
-                            seed=args.seed + 1)
+                            seed=args.seed + 1, progress=_trial_log(long_log))
                 cs, cl = config_to_dict(short.config), config_to_dict(long.config)
                 ms = _retime(sess, p, d, [cs] if cs == cl else [cs, cl], rounds=9)
                 row = {"direction": d, "problem": _label(p), "short_trials": short.trials,
@@ -360,9 +364,11 @@ def cmd_budget(args: argparse.Namespace) -> None:
                        "short_ms": ms[0], "long_ms": ms[-1],
                        "gap": 0.0 if cs == cl else ms[0] / ms[1] - 1,
                        "short_variant": cs.get("variant"), "long_variant": cl.get("variant"),
-                       "short_config": cs, "long_config": cl}
+                       "short_config": cs, "long_config": cl,
+                       "short_trials_log": short_log, "long_trials_log": long_log}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if not k.endswith("_log")}),
+                      flush=True)
                 _write(Path(args.out), f"budget_{args.directions.replace(',', '_')}"
                        f"_from{args.start}", {"env": _env_info(), "rows": rows, "warm_s": warm_s,
                                               "time_budget": args.time_budget,
