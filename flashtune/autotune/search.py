@@ -9,11 +9,12 @@ compile queue; the module doc of :mod:`flashtune.autotune.tuner` says when.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from flashtune.autotune import candidates
 from flashtune.autotune.candidates import Params, PartTimes, Seen, sig
 from flashtune.autotune.space import SearchSpace
-from flashtune.autotune.study import stored_trial
+from flashtune.autotune.study import proposer as make_proposer
+from flashtune.autotune.study import record_trial
 from flashtune.kernels.config import config_to_dict
 from flashtune.problem import Problem
 
@@ -38,6 +40,8 @@ _MAX_DUPLICATE_STREAK = 50  # the sampler is stuck proposing configs already mea
 # A trial's timing stops once its median's 95% interval lies above this many times the
 # incumbent's time (with an adaptive timing; see flashtune.timing.time_parts).
 ABANDON_OVER = 1.1
+# Polishing points compiled ahead of their turn (see Search._prefetch).
+PREFETCH = 4
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,42 @@ class Settings:
         return self.timing if self.search_timing is None else self.search_timing
 
 
+class Candidate:
+    """A point on its way to the record: asked from the proposer, compiling, measured.
+
+    Its attributes are kept here and written with its outcome, in one transaction
+    (:func:`flashtune.autotune.study.record_trial`); until then the database holds
+    nothing of it, so a candidate that never ran (cancelled, or its tuner killed) leaves
+    no trace there. ``number`` is the proposer's (the seed of its correctness inputs);
+    the record numbers the trial when it is written."""
+
+    def __init__(self, pick: Any, source: str) -> None:
+        self.pick, self.source = pick, source
+        self.number: int = pick.number
+        self.params: Params = dict(pick.params)  # the fields its variant uses
+        self.user_attrs: dict[str, Any] = {} if source == "sampler" \
+            else {"seed_source": source}
+        self.started = datetime.datetime.now()
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.user_attrs[key] = value
+
+
 class Search:
     """ask -> compile -> measure -> tell, until the budget, the patience or the space ends."""
 
     def __init__(self, problem: Problem, direction: str, study: Any, settings: Settings,
                  session: TuneSession, *, lookahead: int, n_startup: int, t_start: float,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, proposer: Any = None) -> None:
         self.problem, self.direction, self.study = problem, direction, study
+        # Where candidates come from: the sampler's own study, in memory, holding the
+        # enqueued seeds and points (:func:`flashtune.autotune.study.proposer`). ``study``
+        # is the record in the tuning database: a candidate is written there once, when
+        # its outcome is known (see :class:`Candidate`).
+        self.proposer = proposer if proposer is not None else make_proposer(study, None)
+        self.infeasible_reasons: Counter[str] = Counter()
+        # Compiles submitted ahead of their candidates (see :meth:`_prefetch`).
+        self.prefetched: dict[tuple[Any, ...], Future[tuple[float, str]]] = {}
         self.s, self.session, self.progress = settings, session, progress
         self.lookahead, self.n_startup = lookahead, n_startup
         self.t_start = t_start  # the time budget counts the study's setup too
@@ -83,11 +116,15 @@ class Search:
         self.compile_s = 0.0
         self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
         self._load_tallies()
-        # From here on, polishing candidates go before the sampler's picks.
+        # From here on, polishing candidates go before the sampler's picks: after the
+        # first 40% of a trial budget; with only a time budget, as soon as the warm-start
+        # seeds are measured (the trial count is unknown, and the sweeps' short searches
+        # showed the sampler's blind picks in a space this large almost never win:
+        # BENCHMARKS.md, "Autotuner").
         if settings.sampler == "grid":
             self.polish_from: int | None = None
         elif settings.trials is None:
-            self.polish_from = 2 * n_startup
+            self.polish_from = max(1, self.measured + self._waiting())
         else:
             self.polish_from = max(1, math.ceil(0.4 * settings.trials))
 
@@ -115,6 +152,12 @@ class Search:
             and best_t.value is not None else math.inf
         self.best_params: Params = self.s.space.complete(best_t.params) \
             if best_t is not None else {}
+
+    def _waiting(self) -> int:
+        """Enqueued points not asked for yet: the warm-start seeds."""
+        from optuna.trial import TrialState
+
+        return len(self.proposer.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
     # -- reporting and stopping ------------------------------------------------------------
 
@@ -169,8 +212,11 @@ class Search:
                     [p for _, p, _, _ in self.pending])
 
     def _priority_point(self) -> tuple[Params, str] | None:
-        """A recombined or polishing candidate, if there is one now."""
+        """A recombined or polishing candidate, if there is one now (not while a
+        warm-start seed waits: a seed is the better prior)."""
         space = self.s.space
+        if self._waiting():
+            return None
         if self.s.sampler != "grid" and space.parts and self.measured >= self.n_startup:
             point = candidates.compose_point(self._seen())
             if point is not None:
@@ -191,73 +237,79 @@ class Search:
                 del self.pending[i]
                 if fut is not None:
                     fut.cancel()
-                trial.set_user_attr("cancelled", True)
-                self.study.tell(trial, state=TrialState.FAIL)
+                self.proposer.tell(trial.pick, state=TrialState.FAIL)  # never measured
                 return True
         return False
 
     # -- ask -------------------------------------------------------------------------------
 
     def ask(self, point: Params | None = None, source: str = "", front: bool = False) -> bool:
-        """Ask for one new candidate (``point``, if given) and queue it (at the front if
-        ``front``); False when the search should stop."""
-        if point is not None:
-            self.study.enqueue_trial(point, user_attrs={"seed_source": source})
-        trial = self.study.ask()
-        cfg = self.s.space.suggest(trial, self.problem)
-        params = config_to_dict(cfg)
-        ok, reason = self.s.space.feasible(cfg, self.problem)
-        if not ok:
-            return self._tell_infeasible(trial, params, reason)
-        self.infeasible_streak = 0
-        prev = self.done.get(sig(params))
-        if prev is None:
-            prev = next((t for t, p, _, _ in self.pending if p == params), None)
-            if prev is not None:  # already queued: do not measure it twice
-                return self._tell_duplicate(trial, prev, queued=True)
-        if prev is not None:
-            return self._tell_duplicate(trial, prev, queued=False)
-        self.dup_streak = 0
-        self._queue(trial, params, front)
-        return True
+        """Ask for one new candidate (``point``, if given; else an enqueued seed, else the
+        sampler's pick) and queue it (at the front if ``front``); False when the search
+        should stop.
 
-    def _tell_infeasible(self, trial: Any, params: Params, reason: str) -> bool:
+        An infeasible pick of the sampler, or one measured or queued already, is answered
+        in the proposer and never reaches the tuning database: the sweeps' short searches
+        spent most of their time writing such trials, one transaction per parameter. A
+        point the search chose (a seed, a grid point, a recombined or polishing point) is
+        recorded even when infeasible, with the reason."""
         from optuna.trial import TrialState
 
-        trial.set_user_attr("pruned_reason", reason)
-        trial.set_user_attr("stage", "feasibility")
-        self.study.tell(trial, state=TrialState.PRUNED)
+        if point is not None:
+            self.proposer.enqueue_trial(point, user_attrs={"seed_source": source})
+        pick = self.proposer.ask()
+        cfg = self.s.space.suggest(pick, self.problem)
+        params = config_to_dict(cfg)
+        cand = Candidate(pick, str(pick.user_attrs.get("seed_source", "sampler")))
+        ok, reason = self.s.space.feasible(cfg, self.problem)
+        if not ok:
+            self.proposer.tell(pick, state=TrialState.PRUNED)
+            if cand.source == "sampler":
+                self.infeasible_reasons[reason] += 1
+            else:
+                cand.set_user_attr("pruned_reason", reason)
+                cand.set_user_attr("stage", "feasibility")
+                record_trial(self.study, cand, self.s.space, TrialState.PRUNED)
+            return self._count_infeasible(pick.number, params, reason)
+        self.infeasible_streak = 0
+        prev = self.done.get(sig(params))
+        if prev is None and any(p == params for _, p, _, _ in self.pending):
+            self.proposer.tell(pick, state=TrialState.FAIL)  # queued already
+            return self._duplicate()
+        if prev is not None:  # measured already: the sampler learns its outcome again
+            if prev.state == TrialState.COMPLETE:
+                self.proposer.tell(pick, prev.value)
+            else:
+                self.proposer.tell(pick, state=TrialState.FAIL)
+            return self._duplicate()
+        self.dup_streak = 0
+        self._queue(cand, params, front)
+        return True
+
+    def _count_infeasible(self, number: int, params: Params, reason: str) -> bool:
         self.infeasible += 1
         self.infeasible_streak += 1
-        self.emit(event="infeasible", number=trial.number, config=params, detail=reason)
+        self.emit(event="infeasible", number=number, config=params, detail=reason)
         if self.infeasible_streak >= _MAX_INFEASIBLE_STREAK:
             self.stop_reason = "the sampler keeps proposing infeasible configs"
             return False
         return True
 
-    def _tell_duplicate(self, trial: Any, prev: Any, *, queued: bool) -> bool:
-        """A measured (or queued) point again: it gets the stored outcome, not a new run."""
-        from optuna.trial import TrialState
-
-        trial.set_user_attr("duplicate_of", prev.number)
-        if not queued and prev.state == TrialState.COMPLETE:
-            self.study.tell(trial, prev.value)
-        else:
-            self.study.tell(trial, state=TrialState.FAIL)
+    def _duplicate(self) -> bool:
         self.dup_streak += 1
         return self.dup_streak < _MAX_DUPLICATE_STREAK or self._exhausted("duplicates")
 
     def _queue(self, trial: Any, params: Params, front: bool) -> None:
         trial.set_user_attr("host", self.host)  # who measures it (infeasible ones: nobody)
         trial.set_user_attr("pid", self.pid)
-        fut = None
+        fut = self.prefetched.pop(sig(params), None)
         pool = self.session.pool
-        if pool is not None:
+        if pool is not None and fut is None:
             try:
                 fut = pool.submit(self.problem_d, self.direction, params)
             except Exception:  # a broken pool: rebuild it, the worker compiles meanwhile
                 self.session.reset_pool()
-        entry = (trial, params, fut, str(trial.user_attrs.get("seed_source", "sampler")))
+        entry = (trial, params, fut, trial.source)
         if front:
             self.pending.appendleft(entry)
         else:
@@ -323,6 +375,8 @@ class Search:
                   source=source, detail=detail)
 
     def _tell_ok(self, trial: Any, params: Params, reply: dict[str, Any]) -> None:
+        from optuna.trial import TrialState
+
         value = float(reply["median_ms"])
         trial.set_user_attr("p20_ms", float(reply["p20_ms"]))
         trial.set_user_attr("p80_ms", float(reply["p80_ms"]))
@@ -333,8 +387,9 @@ class Search:
             self.part_times[sig(params)] = (dict(params), parts)
         if value < self.best and math.isfinite(self.best):
             value = self._confirm(trial, params, value)
-        self.study.tell(trial, value)
-        self.done[sig(params)] = stored_trial(self.study, trial)
+        self.proposer.tell(trial.pick, value)
+        self.done[sig(params)] = record_trial(self.study, trial, self.s.space,
+                                              TrialState.COMPLETE, value)
         if value < self.best * (1 - 5e-3):
             self.since_best = 0
         else:
@@ -351,13 +406,14 @@ class Search:
         if status == "prune":
             trial.set_user_attr("pruned_reason", detail or pool_err)
             trial.set_user_attr("stage", "compile")
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self.proposer.tell(trial.pick, state=TrialState.PRUNED)
+            record_trial(self.study, trial, self.s.space, TrialState.PRUNED)
             return detail
         if status == "timeout":
             detail = f"trial timeout: {detail}"
         trial.set_user_attr("error", f"{status}: {detail}"[:1000])
-        self.study.tell(trial, state=TrialState.FAIL)
-        self.done[sig(params)] = stored_trial(self.study, trial)
+        self.proposer.tell(trial.pick, state=TrialState.FAIL)
+        self.done[sig(params)] = record_trial(self.study, trial, self.s.space, TrialState.FAIL)
         return detail
 
     # -- the loop --------------------------------------------------------------------------
@@ -374,6 +430,7 @@ class Search:
                                          or self.measured + len(self.pending) < self.s.trials
                                          or self._drop_newest_sampled()):
                     self.ask(*prio, front=True)
+                    self._prefetch()
                 while len(self.pending) < self.lookahead and self._budget_left():
                     if not self.ask():
                         break
@@ -386,6 +443,36 @@ class Search:
         finally:
             self._cancel_pending()
 
+    def _prefetch(self) -> None:
+        """Compile ahead the polishing points that come next while the incumbent holds
+        (its neighbourhood, on the compile pool's idle workers). A polishing point is
+        known only once the trial before it is measured, so without this each one waits
+        for its own compile (1.25 s median for a backward in the H200 sweep). Prefetches
+        that are no longer among the next are cancelled."""
+        pool = self.session.pool
+        if pool is None or self.polish_from is None or self.measured < self.polish_from \
+                or not self.best_params:
+            return
+        space, queued = self.s.space, [p for _, p, _, _ in self.pending]
+        upcoming: dict[tuple[Any, ...], Params] = {}
+        for _ in range(PREFETCH):
+            seen = Seen(space, self.problem, self.done, self.part_times, self.best_params,
+                        queued + list(upcoming.values()))
+            point = candidates.polish_point(seen, self.skipped_parts)
+            if point is None:
+                break
+            params = space.complete({n: point[n] for n in space.active(point)})
+            upcoming[sig(params)] = params
+        for key in [k for k in self.prefetched if k not in upcoming]:
+            self.prefetched.pop(key).cancel()
+        for key, params in upcoming.items():
+            if key not in self.prefetched:
+                try:
+                    self.prefetched[key] = pool.submit(self.problem_d, self.direction, params)
+                except Exception:  # a broken pool: the candidate compiles when it is asked
+                    self.session.reset_pool()
+                    return
+
     def _head_ready(self) -> bool:
         """Whether the next candidate in the queue can be measured without waiting for its
         compile. Asking is what the loop does while compiles run; where most proposals
@@ -397,17 +484,25 @@ class Search:
         return fut is None or fut.done()
 
     def _cancel_pending(self) -> None:
-        """Interrupted (or stopped with candidates queued): those trials did not finish."""
+        """Interrupted (or stopped with candidates queued): those candidates were never
+        measured, and the record never sees them."""
         from optuna.trial import TrialState
 
+        for fut in self.prefetched.values():
+            fut.cancel()
+        self.prefetched.clear()
         for trial, _, fut, _ in self.pending:
             if fut is not None:
                 fut.cancel()
             with contextlib.suppress(Exception):  # it may have been told already
-                trial.set_user_attr("cancelled", True)
-                self.study.tell(trial, state=TrialState.FAIL)
+                self.proposer.tell(trial.pick, state=TrialState.FAIL)
         self.pending.clear()
         self.study.set_user_attr("search_seconds", self.seconds)
+        if self.infeasible_reasons:  # the sampler's infeasible picks, which it kept to itself
+            merged = Counter(self.study.user_attrs.get("infeasible_picks", {}))
+            merged.update(self.infeasible_reasons)
+            self.study.set_user_attr("infeasible_picks", dict(merged.most_common(20)))
+            self.infeasible_reasons.clear()
 
     @property
     def seconds(self) -> float:

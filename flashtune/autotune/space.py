@@ -15,6 +15,7 @@ record it on the trial without compiling anything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -37,6 +38,12 @@ from flashtune.kernels.config import (
 from flashtune.problem import Problem
 
 Config = FwdConfig | BwdConfig
+
+# Fields whose choices name kinds rather than sizes: their declared order means nothing,
+# so a polishing move may go from any choice to any other (from the two-kernel backward
+# straight to the one-launch one, which the variant between them, atomic dQ, cannot stand
+# in for on a deterministic problem).
+UNORDERED = frozenset({"variant", "tile_order"})
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,9 @@ class SearchSpace:
                    among: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Points ``radius`` steps away from ``params``: that many fields (of ``among``,
         default all) each moved to an adjacent choice (choices are ordered as declared,
-        e.g. increasing block sizes)."""
+        e.g. increasing block sizes). For a field whose choices are names, not sizes
+        (:data:`UNORDERED`: the kernel variant, the tile order), every other choice is one
+        step away."""
         live = set(self.active(params))
         default = CONFIG_TYPES[self.direction]()
         base = {n: params.get(n, getattr(default, n)) for n, _ in self.choices}
@@ -177,12 +186,20 @@ class SearchSpace:
             for n in moved:
                 vals = self.fields[n]
                 i = vals.index(base[n])
-                steps.append([vals[j] for j in (i - 1, i + 1) if 0 <= j < len(vals)])
+                steps.append([v for v in vals if v != base[n]] if n in UNORDERED
+                             else [vals[j] for j in (i - 1, i + 1) if 0 <= j < len(vals)])
             for values in itertools.product(*steps):
-                out.append({**base, **dict(zip(moved, values, strict=True))})
+                cand = {**base, **dict(zip(moved, values, strict=True))}
+                if cand.get("variant", None) != base.get("variant", None):
+                    # Another kernel: the knobs it does not use go back to their defaults
+                    # (one spelling per kernel), the ones it shares keep their values.
+                    used = set(self.active(cand))
+                    cand = {n: v if n in used else getattr(default, n) for n, v in cand.items()}
+                if self.contains(cand) and cand != base and cand not in out:
+                    out.append(cand)
         return out
 
-    @property
+    @functools.cached_property
     def parts(self) -> dict[str, list[str]]:
         """``{launch: the fields that affect only it}`` for a config launched as several
         kernels (the backward); empty when the config is one launch."""
@@ -192,7 +209,7 @@ class SearchSpace:
                 out.setdefault(part, []).append(name)
         return out if len(out) > 1 else {}
 
-    @property
+    @functools.cached_property
     def shared(self) -> list[str]:
         """The fields that affect every launch (all of them for a one-launch config)."""
         owned = {f for fs in self.parts.values() for f in fs}

@@ -136,6 +136,47 @@ def open_study(name: str, url: str, owner: Any, sampler: Any, attrs: dict[str, A
     return study
 
 
+def proposer(record: Any, sampler: Any) -> Any:
+    """The sampler's own study, in memory, beside the database's study ``record``.
+
+    The sampler proposes here, and the warm-start seeds and the grid are enqueued here.
+    Most of a sampler's picks in the full space are infeasible or were measured already:
+    answered in memory, they cost the sampler's time only, where a trial of an RDB study
+    costs a transaction per parameter and attribute. A candidate reaches ``record`` once,
+    with its outcome (:func:`record_trial`). The proposer starts from ``record``'s finished
+    trials, so a resumed search's sampler knows what ran. ``sampler`` None: random."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
+                                sampler=sampler or optuna.samplers.RandomSampler(),
+                                direction="minimize")
+    study.add_trials(record.get_trials(deepcopy=False,
+                                       states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    return study
+
+
+def record_trial(study: Any, cand: Any, space: SearchSpace, state: Any,
+                 value: float | None = None) -> Any:
+    """Write a finished candidate (its params, attributes and outcome; see
+    :class:`flashtune.autotune.search.Candidate`) into ``study`` as one trial, in one
+    transaction; returns the stored trial, numbered by the study."""
+    import datetime
+
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import FrozenTrial
+
+    fields = space.fields
+    frozen = FrozenTrial(
+        number=0, state=state, value=value, datetime_start=cand.started,
+        datetime_complete=datetime.datetime.now(), params=dict(cand.params),
+        distributions={n: CategoricalDistribution(list(fields[n])) for n in cand.params},
+        user_attrs=dict(cand.user_attrs), system_attrs={}, intermediate_values={},
+        trial_id=0)
+    storage = study._storage
+    return storage.get_trial(storage.create_new_trial(study._study_id, template_trial=frozen))
+
+
 _TUNER = "tuner:"  # study attribute prefix: one entry per tuner process that used the study
 
 
@@ -164,8 +205,3 @@ def recover(study: Any) -> int:
             n += 1
     study.set_user_attr(f"{_TUNER}{host}:{me}", time.time())
     return n
-
-
-def stored_trial(study: Any, trial: Any) -> Any:
-    """The frozen, stored form of a trial that was just told."""
-    return study._storage.get_trial(trial._trial_id)

@@ -2,9 +2,14 @@
 
 Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.search.Search`):
 
-1. The sampler proposes a point of the :class:`SearchSpace`.
-2. The kernels' feasibility rule runs; an infeasible point is PRUNED at once with
-   the reason in the trial's ``pruned_reason`` attribute (nothing is compiled).
+1. The sampler proposes a point of the :class:`SearchSpace`, in its own in-memory
+   study (:func:`~flashtune.autotune.study.proposer`), where the warm-start seeds wait
+   first in line.
+2. The kernels' feasibility rule runs; an infeasible pick, or one measured or queued
+   already, is answered there and never reaches the tuning database (the study counts
+   the infeasible picks by reason in its ``infeasible_picks`` attribute). A seed, grid,
+   recombined or polishing point that is infeasible is recorded as PRUNED with the
+   reason in ``pruned_reason``. Nothing infeasible is compiled.
 3. A compile pool builds the next few candidates on the CPU cores (GPU only).
 4. The measurement worker subprocess runs the candidate: first launch, the
    correctness gate (2x rule on fresh inputs), then the house timing protocol.
@@ -18,8 +23,9 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    compile queue (the newest queued sampler pick gives up its place when the budget
    is full):
    - recombined, once the sampler's random start-up trials are in;
-   - polishing, after the first 40% of a trial budget, or with only a time budget
-     after twice the start-up trials.
+   - polishing, after the first 40% of a trial budget, or with only a time budget as
+     soon as the warm-start seeds are measured; the next few polishing points compile
+     ahead of their turn on the pool's idle workers.
    The compile lookahead shrinks with a small trial budget: a sampler that proposes
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
@@ -27,8 +33,9 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    passed) are re-timed, interleaved, with more repetitions; the fastest is the
    result and is written to the database.
 
-The study lives in the tuning database (:mod:`.study`), so a second ``tune()`` of the
-same problem resumes it: stored trials are kept and count toward the budget.
+The study lives in the tuning database (:mod:`.study`), each candidate written once with
+its outcome, so a second ``tune()`` of the same problem resumes it: stored trials are
+kept and count toward the budget, and the sampler starts from them.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from flashtune.autotune.study import (
     open_study,
     optuna_storage,
     problem_slug,
+    proposer,
     study_name,
 )
 from flashtune.exceptions import TuningError
@@ -243,23 +251,26 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
     dev, sw = target.device, target.software
     name = study_name(dev.fingerprint, sw.fingerprint, problem, direction, s.space, s.sampler)
     sampler = make_sampler(s.sampler, s.seed, n_startup, parallel=lookahead > 1)
-    study = open_study(name, target.url, target.storage, sampler, {
+    # The sampler proposes in its own in-memory study (seeds and the grid are enqueued
+    # there); the database's study records each candidate once, with its outcome.
+    study = open_study(name, target.url, target.storage, None, {
         "problem": problem.as_dict(), "key": problem.key(direction).as_dict(),
         "device": dev.as_dict(), "software": sw.as_dict(),
         "interpreter": target.session.interpret})
+    picks = proposer(study, sampler)
     if s.warm_start:
         for params, source in _seed_configs(target.storage, dev, sw, problem, direction,
                                             s.space):
-            study.enqueue_trial(params, user_attrs={"seed_source": source},
+            picks.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
     if s.sampler == "grid":
         variants = s.space.variants(problem)
         for params in s.space.grid():
             if params.get("variant", 0) in variants or not variants:
-                study.enqueue_trial(params, user_attrs={"seed_source": "grid"},
+                picks.enqueue_trial(params, user_attrs={"seed_source": "grid"},
                                     skip_if_exists=True)
     search = Search(problem, direction, study, s, target.session, lookahead=lookahead,
-                    n_startup=n_startup, t_start=t_start, progress=progress)
+                    n_startup=n_startup, t_start=t_start, progress=progress, proposer=picks)
     search.run()
     return _finish(search, target)
 
