@@ -11,6 +11,12 @@ measurement from the landscape with multiplicative log-normal noise, and a
 compile pool that is always done, so the search sees the lookahead it has on the GPU.
 It reports how often the search's winner is within 2% of the landscape's best.
 
+``--time-budget S`` replays a search with a time budget, as a sweep runs it, on a
+simulated clock: each measurement advances it by ``--trial-s`` (forward, backward), the
+first of a search by ``--first-s`` more (the gate's inputs and reference), a re-timing by
+0.15 s per config and round. The recorded sub-grids fix the stages at 2, where the
+heuristic default has 3: the default seed is moved to the nearest point of the sub-grid.
+
 This is for studying search strategies between GPU runs: the acceptance figures in
 BENCHMARKS.md come from ``tune_autotuner.py quality`` on the GPU, never from here.
 """
@@ -99,6 +105,59 @@ class ReplaySession(TuneSession):
         self._pool = DonePool() if workers else None  # type: ignore[assignment]
 
 
+class SimClock:
+    """The time a replayed search sees: advanced by the worker, not by the CPU."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self) -> None:
+        import types
+
+        import flashtune.autotune.search as search_mod
+        import flashtune.autotune.tuner as tuner_mod
+
+        fake = types.SimpleNamespace(perf_counter=self.perf_counter)
+        search_mod.time = fake  # type: ignore[assignment]
+        tuner_mod.time = fake  # type: ignore[assignment]
+
+
+class TimedWorker(ReplayWorker):
+    """A replay worker that charges each request to a :class:`SimClock`."""
+
+    def __init__(self, *args: Any, clock: SimClock, trial_s: float, first_s: float,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock, self.trial_s, self.first_s = clock, trial_s, first_s
+
+    def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if msg["op"] == "measure":
+            self.clock.now += self.trial_s + self.first_s
+            self.first_s = 0.0
+        else:
+            self.clock.now += 0.15 * len(msg["configs"]) * max(msg["rounds"], 1)
+        return super().request(msg, timeout)
+
+
+def _snap_default(space: SearchSpace, direction: str) -> None:
+    """Make the tuner's heuristic default the nearest point of ``space`` (in log2 steps)."""
+    import flashtune.autotune.tuner as tuner_mod
+    from flashtune.kernels.config import config_from_dict, config_to_dict, default_config
+
+    def snapped(d: str, p: Problem) -> Any:
+        cfg = config_to_dict(default_config(d, p))
+        for n, vals in space.choices:
+            if cfg[n] not in vals:
+                cfg[n] = min(vals, key=lambda v: (abs(math.log2(max(v, 1))
+                                                      - math.log2(max(cfg[n], 1))), v))
+        return config_from_dict(d, cfg)
+
+    tuner_mod.default_config = snapped  # type: ignore[assignment]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("landscapes")
@@ -106,7 +165,17 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.005, help="log-normal sigma per trial")
     ap.add_argument("--workers", type=int, default=14, help="lookahead (compile workers)")
     ap.add_argument("--budget", type=float, default=0.2, help="share of the feasible grid")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds per search on a simulated clock (instead of --budget)")
+    ap.add_argument("--trial-s", default="0.5,0.65",
+                    help="simulated seconds per forward, backward measurement")
+    ap.add_argument("--first-s", type=float, default=1.5)
+    ap.add_argument("--directions", default="fwd,bwd")
     args = ap.parse_args()
+    clock = SimClock()
+    if args.time_budget is not None:
+        clock.install()
+    trial_s = dict(zip(("fwd", "bwd"), map(float, args.trial_s.split(",")), strict=True))
     data = json.loads(open(args.landscapes).read())
     grids = data["grids"]
     print(f"{'dir':4} {'problem':28} {'trials':>6} {'within 2%':>9} {'mean gap':>8} "
@@ -114,6 +183,8 @@ def main() -> None:
     total_ok = total = 0
     for land in data["landscapes"]:
         d = land["direction"]
+        if d not in args.directions.split(","):
+            continue
         space = SearchSpace.subgrid(d, **grids[d])
         problem = Problem.from_dict(land["problem"])
         pts = [t for t in land["trials"] if t["status"] == "ok"]
@@ -121,12 +192,23 @@ def main() -> None:
         table = {_sig(t["config"]): t for t in pts}
         best = min(t["value_ms"] for t in pts)
         budget = math.ceil(args.budget * len(space.feasible_grid(problem)))
-        gaps = []
+        gaps, counts = [], []
         for seed in range(args.seeds):
-            worker = ReplayWorker(table, args.noise, random.Random(seed), keys)
-            r = tune(problem, d, trials=budget, space=space, storage="sqlite://", seed=seed,
-                     session=ReplaySession(worker, args.workers), store=False, retime_rounds=3)
+            if args.time_budget is None:
+                worker = ReplayWorker(table, args.noise, random.Random(seed), keys)
+            else:
+                _snap_default(space, d)
+                clock.now = 0.0
+                worker = TimedWorker(table, args.noise, random.Random(seed), keys,
+                                     clock=clock, trial_s=trial_s[d], first_s=args.first_s)
+            r = tune(problem, d, trials=None if args.time_budget else budget,
+                     time_budget=args.time_budget, space=space, storage="sqlite://",
+                     seed=seed, session=ReplaySession(worker, args.workers), store=False,
+                     retime_rounds=3)
             gaps.append(table[_sig(dict(r.config.__dict__), keys)]["value_ms"] / best - 1)
+            counts.append(r.trials)
+        if args.time_budget is not None:
+            budget = round(statistics.median(counts))
         ok = sum(g <= 0.02 for g in gaps)
         total_ok, total = total_ok + ok, total + len(gaps)
         print(f"{d:4} {land['label']:28} {budget:>6} {ok:>4}/{len(gaps):<4} "
