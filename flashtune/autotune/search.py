@@ -432,6 +432,8 @@ class Search:
                     self.ask(*prio, front=True)
                     self._prefetch()
                 while len(self.pending) < self.lookahead and self._budget_left():
+                    if self.pending and not self._sampler_wanted(prio) and not self._waiting():
+                        break
                     if not self.ask():
                         break
                     if self._head_ready():
@@ -442,6 +444,15 @@ class Search:
                 self.pending.popleft()
         finally:
             self._cancel_pending()
+
+    def _sampler_wanted(self, prio: tuple[Params, str] | None) -> bool:
+        """Whether the sampler's picks should fill the compile lookahead. Under a time
+        budget polishing follows the seeds, and picks compiled ahead would hold the
+        compile pool's workers ahead of the polishing points while they wait for
+        polishing to run dry; so they are asked only once it has (or one at a time,
+        when nothing else is queued)."""
+        return (self.s.trials is not None or self.polish_from is None
+                or (prio is None and self.measured >= self.polish_from))
 
     def _prefetch(self) -> None:
         """Compile ahead the polishing points that come next while the incumbent holds

@@ -54,6 +54,16 @@ class LogWorker:
             for c in msg["configs"]]}
 
 
+class Compiling(Future):  # type: ignore[type-arg]
+    """A compile that is still running until the search waits for it (then it is done):
+    the loop keeps asking ahead, as it does on a GPU while the pool compiles."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self.set_result((0.0, ""))
+        return super().result(timeout)
+
+
 class LogPool:
     busy_seconds = 0.0
 
@@ -63,9 +73,7 @@ class LogPool:
     def submit(self, problem: Any, direction: str, config: dict[str, Any]
                ) -> Future[tuple[float, str]]:
         self.log.append(("compile", tuple(sorted(config.items()))))
-        f: Future[tuple[float, str]] = Future()
-        f.set_result((0.0, ""))
-        return f
+        return Compiling()
 
     def close(self) -> None:
         pass
@@ -94,8 +102,9 @@ def test_time_budget_polishes_as_soon_as_the_seeds_are_measured(tmp_path) -> Non
     db = tmp_path / "tuning.db"
     space = SearchSpace.full("fwd")
     # Ten trials without a 0.5% gain end it long before the time budget.
+    session = LogSession()
     r = tune(PROBLEM, "fwd", time_budget=600, patience=10, storage=db, retime_rounds=0,
-             session=LogSession(), store=False)
+             session=session, store=False)
     measured = _measured(db, r.study_name)
     sources = [t.user_attrs.get("seed_source", "sampler") for t in measured]
     assert sources[0] == "default" and sources[1] == "polish"
@@ -104,6 +113,14 @@ def test_time_budget_polishes_as_soon_as_the_seeds_are_measured(tmp_path) -> Non
     # With the trial count unknown, polishing leaves the sampler nothing while it finds
     # untried neighbours (the old rule waited for 20 trials).
     assert sources[:6].count("sampler") == 0, sources
+    # Nor does it compile the sampler's picks ahead while polishing has points to offer:
+    # up to the first polishing trial the pool built the default and polishing points.
+    first_polish = tuple(sorted(space.complete(measured[1].params).items()))
+    built = [cfg for kind, cfg in session.log[:session.log.index(("measure", first_polish))]
+             if kind == "compile"]
+    polish = {tuple(sorted(n.items())) for n in space.neighbours(default)}
+    assert built[0] == tuple(sorted(default.items()))
+    assert built[1:] and all(c in polish for c in built[1:]), built
 
 
 def test_sampler_picks_that_cannot_run_never_reach_the_database(tmp_path) -> None:
