@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 
 from flashtune.autotune import SearchSpace, TuneSession, tune
 from flashtune.autotune.space import UNORDERED
+from flashtune.kernels import config
 from flashtune.kernels.config import BWD_ONE_LAUNCH, config_to_dict, default_config
 from flashtune.problem import Problem
 
@@ -89,8 +91,16 @@ class LogSession(TuneSession):
 
 
 @pytest.fixture(autouse=True)
-def _no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # What this machine can run is checked once per process, and the answer depends on
+    # the interpreter: it must not outlive these tests (the others run interpreted).
+    checks = (config.hopper_support, config.descriptor_reduce_support)
+    for check in checks:
+        check.cache_clear()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield
+    for check in checks:
+        check.cache_clear()
 
 
 def _measured(db: Any, name: str) -> list[Any]:
