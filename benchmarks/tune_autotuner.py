@@ -228,7 +228,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
                         "wall_s": time.perf_counter() - t_all})
     print(f"\n{'dir':4} {'problem':26} {'feas':>4} {'ex trials':>9} {'ex s':>6} {'tpe':>4} "
           f"{'tpe s':>6} {'cmp%':>5} {'ex ms':>8} {'tpe ms':>8} {'gap':>6} {'sweep':>6} "
-          f"{'variants':>8}")
+          f"{'variants':>8} {'winners (source)':>18}")
     for r in rows:
         print(f"{r['direction']:4} {r['problem']:26} {r['feasible']:>4} "
               f"{r['exhaustive_trials']:>9} {r['exhaustive_s']:>6.0f} {r['tpe_trials']:>4} "
@@ -364,6 +364,9 @@ def cmd_budget(args: argparse.Namespace) -> None:
                        "short_ms": ms[0], "long_ms": ms[-1],
                        "gap": 0.0 if cs == cl else ms[0] / ms[1] - 1,
                        "short_variant": cs.get("variant"), "long_variant": cl.get("variant"),
+                       "short_winner": short.winner_source, "long_winner": long.winner_source,
+                       "short_infeasible": short.infeasible,
+                       "long_infeasible": long.infeasible,
                        "short_config": cs, "long_config": cl,
                        "short_trials_log": short_log, "long_trials_log": long_log}
                 rows.append(row)
@@ -374,12 +377,13 @@ def cmd_budget(args: argparse.Namespace) -> None:
                                               "time_budget": args.time_budget,
                                               "factor": args.factor})
     print(f"\n{'dir':4} {'problem':28} {'trials':>11} {'short ms':>9} {'long ms':>9} {'gap':>6} "
-          f"{'variants':>8}")
+          f"{'variants':>8} {'winners (source)':>18}")
     for r in rows:
         print(f"{r['direction']:4} {r['problem']:28} {r['short_trials']:>5}/{r['long_trials']:<5} "
               f"{r['short_ms']:>9.4f} {r['long_ms']:>9.4f} "
               f"{'same' if r['same_config'] else format(r['gap'], '+6.1%'):>6} "
-              f"{r['short_variant']}/{r['long_variant']}")
+              f"{r['short_variant']}/{r['long_variant']:<6} "
+              f"{r['short_winner'] + '/' + r['long_winner']:>18}")
     if rows:
         print(f"worst gap: {max(r['gap'] for r in rows):+.1%}")
 
