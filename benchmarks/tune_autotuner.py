@@ -30,13 +30,15 @@
   over the long one's. Each search's measured trials are kept (``*_trials_log``), for
   replaying on a CPU where the short search went.
 
-Every run uses an in-memory tuning database (nothing is stored on the host) and
+Every run uses an in-memory tuning database (nothing is stored on the host), without
+the shipped layer's seeds (each search starts from the default, as on a new GPU), and
 writes a JSON file with the GPU name, versions and date under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -57,6 +59,10 @@ from flashtune.timing import geomean, standard_matrix
 # re-timing uses the house defaults (25 ms warmup, 100 ms of repetitions) x rounds.
 # Sub-grids: the fields named vary; every other knob stays at its config default.
 TIMING = {"warmup_ms": 10, "rep_ms": 40}
+# The searches measured here start from the default, without the shipped layer's winners
+# (a tree older than that keyword has no such seeds).
+NO_SHIPPED: dict[str, Any] = (
+    {"shipped_seeds": False} if "shipped_seeds" in inspect.signature(tune).parameters else {})
 FWD_GRID = dict(block_m=(32, 64, 128, 256), block_n=(16, 32, 64, 128), num_warps=(4, 8),
                 num_stages=(1, 2, 3, 4, 5), maxnreg=0)
 BWD_GRID = dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(32, 64, 128), dkdv_warps=(4, 8),
@@ -151,7 +157,7 @@ def cmd_parallel(args: argparse.Namespace) -> None:
                                      ).result()  # start the pool's processes
                 t_start = time.perf_counter() - t0
                 r = tune(p, d, trials=args.trials or 24, storage="sqlite://", session=sess,
-                         timing=TIMING, retime_rounds=0, store=False, seed=1)
+                         timing=TIMING, retime_rounds=0, store=False, **NO_SHIPPED, seed=1)
             rows.append({"direction": d, "workers": n, "trials": r.trials,
                          "infeasible": r.infeasible, "wall_s": r.search_seconds,
                          "per_trial_s": r.search_seconds / r.trials,
@@ -187,11 +193,12 @@ def cmd_quality(args: argparse.Namespace) -> None:
                 ex_log: list[dict[str, Any]] = []
                 tp_log: list[dict[str, Any]] = []
                 ex = tune(p, d, sampler="grid", space=space, storage="sqlite://", session=sess,
-                          timing=TIMING, store=False, warm_start=False, retime_rounds=3,
-                          progress=_trial_log(ex_log))
+                          timing=TIMING, store=False, **NO_SHIPPED, warm_start=False,
+                          retime_rounds=3, progress=_trial_log(ex_log))
                 tp = tune(p, d, sampler="tpe", space=space, trials=budget,
                           storage="sqlite://", session=sess, timing=TIMING, store=False,
-                          retime_rounds=3, seed=args.seed, progress=_trial_log(tp_log))
+                          **NO_SHIPPED, retime_rounds=3, seed=args.seed,
+                          progress=_trial_log(tp_log))
                 ex_cfg, tp_cfg = config_to_dict(ex.config), config_to_dict(tp.config)
                 same = ex_cfg == tp_cfg
                 if same:  # one kernel: the gap is zero by definition, not by timing
@@ -249,7 +256,8 @@ def cmd_vs_default(args: argparse.Namespace) -> None:
                 log: list[dict[str, Any]] = []
                 r = tune(p, d, trials=trials, time_budget=args.time_budget,
                          storage="sqlite://", session=sess, timing=TIMING, store=False,
-                         retime_rounds=3, seed=args.seed, progress=_trial_log(log))
+                         **NO_SHIPPED, retime_rounds=3, seed=args.seed,
+                         progress=_trial_log(log))
                 dflt = config_to_dict(default_config(d, p))
                 ms = _retime(sess, p, d, [config_to_dict(r.config), dflt])
                 row = {"direction": d, "problem": _label(p), "gqa": p.gqa_ratio,
@@ -296,7 +304,7 @@ def cmd_cost(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 r = tune(p, d, trials=None if args.time_budget else (args.trials or 12),
                          time_budget=args.time_budget, storage=url, session=sess,
-                         seed=args.seed, store=False)
+                         seed=args.seed, store=False, **NO_SHIPPED)
                 tune_s = time.perf_counter() - t0
                 study = optuna.load_study(study_name=r.study_name, storage=optuna_storage(url))
                 trials = [t.user_attrs for t in study.trials if t.user_attrs.get("measured")]
@@ -351,10 +359,10 @@ def cmd_budget(args: argparse.Namespace) -> None:
                 short_log: list[dict[str, Any]] = []
                 long_log: list[dict[str, Any]] = []
                 short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
-                             session=sess, store=False, seed=args.seed,
+                             session=sess, store=False, **NO_SHIPPED, seed=args.seed,
                              progress=_trial_log(short_log))
                 long = tune(p, d, time_budget=args.factor * args.time_budget,
-                            storage="sqlite://", session=sess, store=False,
+                            storage="sqlite://", session=sess, store=False, **NO_SHIPPED,
                             seed=args.seed + 1, progress=_trial_log(long_log))
                 cs, cl = config_to_dict(short.config), config_to_dict(long.config)
                 ms = _retime(sess, p, d, [cs] if cs == cl else [cs, cl], rounds=9)

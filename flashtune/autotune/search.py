@@ -60,6 +60,7 @@ class Settings:
     timing: dict[str, Any]
     store: bool
     warm_start: bool
+    shipped_seeds: bool = True
     search_timing: dict[str, Any] | None = None  # trials and confirmations; None: ``timing``
 
     @property

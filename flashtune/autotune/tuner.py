@@ -84,7 +84,7 @@ class TuneResult:
     of which ``complete`` passed the gate, ``failed`` failed it or crashed, and
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
     rule before compiling. ``winner_source`` says where the winner came from: "sampler",
-    a warm-start seed ("default", "stale", "nearest", "device:NAME"), "compose",
+    a warm-start seed ("default", "stale", "shipped", "nearest", "device:NAME"), "compose",
     "polish" or "grid". ``compile_seconds`` is the compile time on the critical path:
     waiting for the compile pool plus the first launch in the timing worker (a compile,
     or a load from Triton's cache); ``pool_compile_seconds`` is the pool's busy time.
@@ -177,11 +177,14 @@ class TuneSession:
 
 
 def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, direction: str,
-                  space: SearchSpace) -> list[tuple[dict[str, Any], str]]:
+                  space: SearchSpace, *, shipped: bool = True,
+                  n_nearest: int = 3) -> list[tuple[dict[str, Any], str]]:
     """Warm-start points, in order: the key's stale winners on this device (what an
-    upgrade made stale: the best prior there is), the heuristic default, then the other
-    seeds of the database (the key's results on other devices, the nearest tuned keys on
-    this device), each projected into ``space`` (points outside it are skipped)."""
+    upgrade made stale: the best prior there is), the shipped layer's winner for the key
+    on this device, the heuristic default, then the key's results on other devices (the
+    database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
+    database's and, with ``shipped``, the shipped layer's, nearest first). Each is
+    projected into ``space`` (points outside it are skipped)."""
     out: list[tuple[dict[str, Any], str]] = []
     seen: set[tuple[Any, ...]] = set()
 
@@ -197,19 +200,38 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     seeds = []
     if storage is not None:
         try:
-            seeds = storage.seeds(device, problem.key(direction), software)
+            seeds = storage.seeds(device, problem.key(direction), software, n_nearest=0)
         except Exception as e:  # a broken seed source must not stop a tune
             warnings.warn(f"warm start: could not read seeds: {e}", stacklevel=2)
     here, key = device.fingerprint, problem.key(direction)
+    # Tuned keys of this device, for the nearest seeds: the database over the shipped layer.
+    table: dict[Any, Any] = {}
+    if shipped:
+        from flashtune.db.exchange import shipped_results
+
+        try:
+            table.update((r.key, r) for r in shipped_results(software)
+                         if r.device.fingerprint == here and not r.stale)
+        except Exception as e:  # the shipped layer is optional
+            warnings.warn(f"warm start: could not read the shipped layer: {e}", stacklevel=2)
+    if storage is not None:
+        try:
+            table.update(storage.load_table(device, software))
+        except Exception as e:
+            warnings.warn(f"warm start: could not read seeds: {e}", stacklevel=2)
     for r in seeds:
         if r.key == key and r.device.fingerprint == here and r.stale:
             add(dict(r.config), "stale")
+    if key in table and getattr(table[key], "origin", "") == "shipped":
+        add(dict(table[key].config), "shipped")
     add(config_to_dict(default_config(direction, problem)), "default")
     for r in seeds:
         if r.key == key and r.device.fingerprint != here:
             add(dict(r.config), f"device:{r.device.name}")
-        elif r.key != key:
-            add(dict(r.config), "nearest")
+    near = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
+                   if k.distance(key) != float("inf")), key=lambda t: t[:3])
+    for *_, r in near[:n_nearest]:
+        add(dict(r.config), "nearest")
     return out
 
 
@@ -260,7 +282,7 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
     picks = proposer(study, sampler)
     if s.warm_start:
         for params, source in _seed_configs(target.storage, dev, sw, problem, direction,
-                                            s.space):
+                                            s.space, shipped=s.shipped_seeds):
             picks.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
     if s.sampler == "grid":
@@ -423,7 +445,7 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
          space: SearchSpace | None = None, sampler: str = "tpe", top_k: int = 3,
          retime_rounds: int | None = None, compile_workers: int | None = None,
          timing: dict[str, Any] | None = None, progress: ProgressFn | None = None,
-         store: bool = True, warm_start: bool = True,
+         store: bool = True, warm_start: bool = True, shipped_seeds: bool = True,
          session: TuneSession | None = None) -> TuneResult | dict[str, TuneResult]:
     """Tune ``problem`` and write the winner(s) to the tuning database.
 
@@ -432,7 +454,8 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
         tune(problem, direction="both", *, trials=None, time_budget=None, storage=None,
              interpret=None, patience=None, trial_timeout=None, seed=0, space=None,
              sampler="tpe", top_k=3, retime_rounds=None, compile_workers=None,
-             timing=None, progress=None, store=True, warm_start=True, session=None)
+             timing=None, progress=None, store=True, warm_start=True,
+             shipped_seeds=True, session=None)
             -> TuneResult                  (direction "fwd" or "bwd")
             -> dict[str, TuneResult]       (direction "both": {"fwd": ..., "bwd": ...})
 
@@ -462,7 +485,8 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
     - ``progress``: called with a dict per event ("trial", "infeasible", "retime",
       "done"): direction, study, measured, budget, best_ms, elapsed_s, and details.
     - ``store``: write the winner with ``prefer="faster"``; ``warm_start``: enqueue the
-      default and the database's seeds first.
+      default and the database's seeds first; ``shipped_seeds``: the shipped layer's
+      winners for this device seed too (the key's own, and the nearest keys').
     - ``session``: a :class:`TuneSession` to reuse worker processes across calls.
 
     Raises :class:`flashtune.exceptions.TuningError` if no candidate passes the gate.
@@ -493,7 +517,7 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
         trial_timeout=(300.0 if interp else 120.0) if trial_timeout is None else trial_timeout,
         seed=seed, space=spaces[next(iter(spaces))], sampler=sampler, top_k=top_k,
         retime_rounds=(1 if interp else 5) if retime_rounds is None else retime_rounds,
-        timing=house, store=store, warm_start=warm_start,
+        timing=house, store=store, warm_start=warm_start, shipped_seeds=shipped_seeds,
         search_timing=house if interp else {**SEARCH_TIMING, **house})
     try:
         out = {d: _tune_one(problem, d, target, replace(base, space=spaces[d]), progress)

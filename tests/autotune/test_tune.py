@@ -163,6 +163,36 @@ def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:
     assert measured[1].params["block_m"] == 16 and measured[2].params["block_m"] == 32
 
 
+def test_shipped_layer_seeds_the_search(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    import flashtune.db.exchange as exchange
+
+    here, sw = device_info(), software_info()
+    near = replace(TINY, seqlen_q=64, seqlen_k=64)  # same family, next bucket
+    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                  trials=1, search_seconds=1.0)
+    with open_storage(tmp_path / "made.db") as st:  # results as the shipped layer holds them
+        st.put_result(here, sw, TINY.key("fwd"), {"block_m": 32, "block_n": 32}, **timing)
+        st.put_result(here, sw, near.key("fwd"), {"block_m": 16, "block_n": 32}, **timing)
+        layer = [replace(r, origin="shipped") for r in st.results(software=sw)]
+    monkeypatch.setattr(exchange, "shipped_results", lambda software=None: layer)
+    # A fresh database: the seeds can only come from the shipped layer.
+    r = tune(TINY, "fwd", trials=3, storage=tmp_path / "fresh.db", retime_rounds=0)
+    study = optuna.load_study(study_name=r.study_name,
+                              storage=f"sqlite:///{tmp_path / 'fresh.db'}")
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert [t.user_attrs.get("seed_source") for t in measured] == \
+        ["shipped", "default", "nearest"]
+    assert (measured[0].params["block_m"], measured[2].params["block_m"]) == (32, 16)
+    # Turned off (the autotuner's own benchmarks), the search starts from the default.
+    r = tune(TINY, "fwd", trials=1, storage=tmp_path / "off.db", retime_rounds=0,
+             shipped_seeds=False)
+    study = optuna.load_study(study_name=r.study_name,
+                              storage=f"sqlite:///{tmp_path / 'off.db'}")
+    assert [t.user_attrs.get("seed_source") for t in study.trials] == ["default"]
+
+
 def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     db = tmp_path / "tuning.db"
     space = SearchSpace.subgrid("bwd", dkdv_block_m=(16, 32), dkdv_block_n=(16, 32),
