@@ -206,6 +206,8 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     here, key = device.fingerprint, problem.key(direction)
     # Tuned keys of this device, for the nearest seeds: the database over the shipped layer.
     table: dict[Any, Any] = {}
+    from flashtune.db.storage import nearest_results
+
     if shipped:
         from flashtune.db.exchange import shipped_results
 
@@ -228,9 +230,7 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     for r in seeds:
         if r.key == key and r.device.fingerprint != here:
             add(dict(r.config), f"device:{r.device.name}")
-    near = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
-                   if k.distance(key) != float("inf")), key=lambda t: t[:3])
-    for *_, r in near[:n_nearest]:
+    for r in nearest_results(table, key, n_nearest):
         add(dict(r.config), "nearest")
     return out
 

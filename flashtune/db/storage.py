@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -104,6 +104,16 @@ class Result:
         stale = bool(stale_fields(self.software, software))
         return self if stale == self.stale else replace(self, stale=stale)
 
+
+
+def nearest_results(table: Mapping[ProblemKey, Result], key: ProblemKey,
+                    n: int) -> list[Result]:
+    """Up to ``n`` results of ``table`` (by key) closest to ``key`` by
+    :meth:`ProblemKey.distance` (finite only; the exact key first, if present), ties broken
+    by ``median_ms``."""
+    ranked = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
+                     if k.distance(key) != float("inf")), key=lambda t: t[:3])
+    return [r for *_, r in ranked[:n]]
 
 class Storage(abc.ABC):
     """The tuning database, as the tuner, the dispatcher and the CLI use it.
@@ -208,10 +218,7 @@ class Storage(abc.ABC):
         """Up to ``n`` fresh results on ``device`` closest to ``key`` by
         :meth:`ProblemKey.distance` (finite only; the exact key first, if present),
         ties broken by ``median_ms``."""
-        table = self.load_table(device, software)
-        ranked = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
-                         if k.distance(key) != float("inf")), key=lambda t: t[:3])
-        return [r for *_, r in ranked[:n]]
+        return nearest_results(self.load_table(device, software), key, n)
 
     def seeds(self, device: DeviceInfo, key: ProblemKey, software: SoftwareInfo,
               *, n_nearest: int = 3) -> list[Result]:
