@@ -132,7 +132,8 @@ def _trial_log(log: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
     def cb(ev: dict[str, Any]) -> None:
         if ev.get("event") == "trial":
             log.append({k: ev.get(k) for k in ("number", "status", "config", "value_ms",
-                                               "parts_ms", "source")})
+                                               "parts_ms", "source", "elapsed_s",
+                                               "seconds")})
             if ev.get("status") != "ok":
                 log[-1]["detail"] = str(ev.get("detail", ""))[:300]
     return cb

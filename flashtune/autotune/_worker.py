@@ -6,7 +6,8 @@ crash here (illegal memory access, a segfault, a hang) takes down only this
 process; the parent records the trial as FAIL and starts a new worker.
 
 Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}``,
-``{"op": "retime", ...}`` or ``{"op": "stop"}``. The worker first sends
+``{"op": "retime", ...}``, ``{"op": "prepare", ...}`` (the problem's inputs, gate case
+and reference, ahead of its first candidate) or ``{"op": "stop"}``. The worker first sends
 ``{"op": "ready", "pid", "device"}``, then one reply per request.
 """
 
@@ -27,7 +28,13 @@ def _serve(conn: Connection) -> None:
     import torch
 
     from flashtune.autotune import _faults
-    from flashtune.autotune.measure import Bench, Measurement, measure, retime
+    from flashtune.autotune.measure import (
+        Bench,
+        Measurement,
+        measure,
+        poisons_context,
+        retime,
+    )
     from flashtune.kernels.config import config_from_dict
     from flashtune.problem import Problem
 
@@ -75,6 +82,14 @@ def _serve(conn: Connection) -> None:
             conn.send(m.as_dict())
             if m.poisoned:
                 return  # the CUDA context is gone; the parent starts a fresh worker
+        elif op == "prepare":
+            try:
+                seconds = bench_for(problem).prepare(direction, msg["seed"])
+                conn.send({"status": "ok", "seconds": seconds})
+            except Exception as e:  # the first candidate meets it again, and records it
+                conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
+                if poisons_context(e):
+                    return
         elif op == "retime":
             cfgs = [config_from_dict(direction, c) for c in msg["configs"]]
             t0 = time.perf_counter()

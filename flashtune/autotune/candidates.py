@@ -7,9 +7,9 @@ ask for them (see :mod:`flashtune.autotune.tuner`).
   fields, put together, when predicted faster than the incumbent (the launches run one
   after another, so their times add up; see :meth:`SearchSpace.compose`).
 - :func:`polish_point`: the incumbent's nearest untried feasible neighbour, one field
-  moved to an adjacent choice, else two. For the backward, each launch's fields move at
-  once, around the best measured setting of that launch, since each launch is timed on
-  its own.
+  moved to an adjacent choice, else two. For a backward incumbent that runs as separate
+  launches (:func:`by_launch`), each launch's fields move at once, around the best
+  measured setting of that launch, since each launch is timed on its own.
 """
 
 from __future__ import annotations
@@ -87,17 +87,31 @@ def part_polish_point(seen: Seen, radius: int, skipped: set[tuple[Any, ...]]) ->
     return None
 
 
+def by_launch(seen: Seen) -> bool:
+    """Whether the incumbent runs as the space's separate launches, each timed on its own
+    (the two-kernel and atomic backward), so that polishing moves every launch at once.
+    A one-launch incumbent (the fused or the Hopper backward) is polished field by field,
+    like a forward."""
+    parts = seen.space.parts
+    if not parts:
+        return False
+    rec = seen.part_times.get(sig(seen.best_params))
+    return rec is None or all(p in rec[1] for p in parts)
+
+
 def polish_point(seen: Seen, skipped: set[tuple[Any, ...]]) -> Params | None:
     """The incumbent's nearest untried feasible point: one step away, else two.
-    For the backward, every launch moves at once (see :func:`part_polish_point`); plain
-    moves are left with the shared fields, since a new mix of launch settings already
-    timed is the recombination's job."""
+    For a backward that runs as separate launches, every launch moves at once (see
+    :func:`part_polish_point`) and plain moves are left with the shared fields, since a
+    new mix of launch settings already timed is the recombination's job."""
+    split = by_launch(seen)
     for radius in (1, 2):
-        if seen.space.parts:
+        if split:
             cand = part_polish_point(seen, radius, skipped)
             if cand is not None:
                 return cand
-        for cand in seen.space.neighbours(seen.best_params, radius, among=seen.space.shared):
+        among = seen.space.shared if split else None
+        for cand in seen.space.neighbours(seen.best_params, radius, among=among):
             if usable(seen, cand):
                 return cand
     return None

@@ -40,8 +40,14 @@ _MAX_DUPLICATE_STREAK = 50  # the sampler is stuck proposing configs already mea
 # A trial's timing stops once its median's 95% interval lies above this many times the
 # incumbent's time (with an adaptive timing; see flashtune.timing.time_parts).
 ABANDON_OVER = 1.1
+# Where a measured trial's time went (its attributes, in seconds), in its progress event.
+TRIAL_SECONDS = ("pool_wait_s", "wall_s", "compile_s", "gate_s", "reference_s", "time_s",
+                 "confirm_s")
 # Polishing points compiled ahead of their turn (see Search._prefetch).
 PREFETCH = 4
+# Compile workers that the compiles started ahead leave free, so that a candidate asked
+# for now does not queue behind them (the pool runs its queue in order).
+PREFETCH_RESERVE = 2
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,9 @@ class Search:
         # its outcome is known (see :class:`Candidate`).
         self.proposer = proposer if proposer is not None else make_proposer(study, None)
         self.infeasible_reasons: Counter[str] = Counter()
-        # Compiles submitted ahead of their candidates (see :meth:`_prefetch`).
-        self.prefetched: dict[tuple[Any, ...], Future[tuple[float, str]]] = {}
+        # Every compile this search submitted, by point (see :meth:`_prefetch`): a point
+        # compiles once, whether ahead of its turn or when asked.
+        self.compiles: dict[tuple[Any, ...], Future[tuple[float, str]]] = {}
         self.s, self.session, self.progress = settings, session, progress
         self.lookahead, self.n_startup = lookahead, n_startup
         self.t_start = t_start  # the time budget counts the study's setup too
@@ -114,6 +121,7 @@ class Search:
         self.skipped_parts: set[tuple[Any, ...]] = set()
         self.since_best = self.infeasible = self.dup_streak = self.infeasible_streak = 0
         self.stop_reason = ""
+        self.prepared = False  # the worker has this problem's gate case (see _prepare)
         self.compile_s = 0.0
         self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
         self._load_tallies()
@@ -303,13 +311,9 @@ class Search:
     def _queue(self, trial: Any, params: Params, front: bool) -> None:
         trial.set_user_attr("host", self.host)  # who measures it (infeasible ones: nobody)
         trial.set_user_attr("pid", self.pid)
-        fut = self.prefetched.pop(sig(params), None)
-        pool = self.session.pool
-        if pool is not None and fut is None:
-            try:
-                fut = pool.submit(self.problem_d, self.direction, params)
-            except Exception:  # a broken pool: rebuild it, the worker compiles meanwhile
-                self.session.reset_pool()
+        fut = self.compiles.get(sig(params))
+        if fut is None or fut.cancelled():
+            fut = self._submit(params)
         entry = (trial, params, fut, trial.source)
         if front:
             self.pending.appendleft(entry)
@@ -336,6 +340,20 @@ class Search:
         trial.set_user_attr("first_ms", value)
         trial.set_user_attr("confirm_ms", again)
         return sorted([value, *again])[1]
+
+    def _prepare(self, trial: Any) -> None:
+        """Have the worker make the problem's inputs, gate case and reference (and for the
+        backward compile and run its forward) while the pool builds the first candidate:
+        on the H200 these took 2-9 s of a 12 s backward search, on top of the compile,
+        before its first trial was timed. The gate's inputs come from the seed the first
+        measurement would have used. A failure here is left for that measurement."""
+        self.prepared = True
+        t0 = time.perf_counter()
+        reply = self._request("prepare", self.s.trial_timeout,
+                              seed=self.s.seed * 1_000_003 + trial.number)
+        self.study.set_user_attr("prepare_s", time.perf_counter() - t0)
+        if reply.get("status") != "ok":
+            self.emit(event="prepare", detail=str(reply.get("detail", ""))[:300])
 
     def _wait_compile(self, fut: Future[tuple[float, str]] | None, t0: float) -> str:
         """Wait for the pool's build of a candidate; its error message, if any."""
@@ -373,7 +391,9 @@ class Search:
             detail = self._tell_failed(trial, params, status, detail, pool_err)
         self.emit(event="trial", number=trial.number, status=status, config=params,
                   value_ms=reply.get("median_ms"), parts_ms=reply.get("parts_ms") or {},
-                  source=source, detail=detail)
+                  source=source, detail=detail,
+                  seconds={k: trial.user_attrs[k] for k in TRIAL_SECONDS
+                           if k in trial.user_attrs})
 
     def _tell_ok(self, trial: Any, params: Params, reply: dict[str, Any]) -> None:
         from optuna.trial import TrialState
@@ -431,8 +451,15 @@ class Search:
                                          or self.measured + len(self.pending) < self.s.trials
                                          or self._drop_newest_sampled()):
                     self.ask(*prio, front=True)
-                    self._prefetch()
+                seeds = self._waiting()
                 while len(self.pending) < self.lookahead and self._budget_left():
+                    if seeds and not self._waiting() and prio is None:
+                        # The last seeds were asked (infeasible ones leave nothing to
+                        # measure): polishing may start now, ahead of the sampler.
+                        seeds, prio = 0, self._priority_point()
+                        if prio is not None:
+                            self.ask(*prio, front=True)
+                            continue
                     if self.pending and not self._sampler_wanted(prio) and not self._waiting():
                         break
                     if not self.ask():
@@ -441,6 +468,9 @@ class Search:
                         break  # measure it now; filling the lookahead can wait
                 if not self.pending or self._hard_stop():
                     break
+                self._prefetch()
+                if not self.prepared:
+                    self._prepare(self.pending[0][0])
                 self.measure(*self.pending[0])
                 self.pending.popleft()
         finally:
@@ -455,35 +485,62 @@ class Search:
         return (self.s.trials is not None or self.polish_from is None
                 or (prio is None and self.measured >= self.polish_from))
 
-    def _prefetch(self) -> None:
-        """Compile ahead the polishing points that come next while the incumbent holds
-        (its neighbourhood, on the compile pool's idle workers). A polishing point is
-        known only once the trial before it is measured, so without this each one waits
-        for its own compile (1.25 s median for a backward in the H200 sweep). Prefetches
-        that are no longer among the next are cancelled."""
+    def _submit(self, params: Params) -> Future[tuple[float, str]] | None:
+        """Start ``params``' compile on the pool (None: no pool, or a broken one, rebuilt
+        for the next candidate; the worker then compiles it itself)."""
         pool = self.session.pool
-        if pool is None or self.polish_from is None or self.measured < self.polish_from \
-                or not self.best_params:
-            return
-        space, queued = self.s.space, [p for _, p, _, _ in self.pending]
-        upcoming: dict[tuple[Any, ...], Params] = {}
+        if pool is None:
+            return None
+        try:
+            fut = pool.submit(self.problem_d, self.direction, params)
+        except Exception:
+            self.session.reset_pool()
+            return None
+        self.compiles[sig(params)] = fut
+        return fut
+
+    def _upcoming(self) -> list[Params]:
+        """The next :data:`PREFETCH` polishing points, if the incumbent holds."""
+        space, problem = self.s.space, self.problem
+        queued = [p for _, p, _, _ in self.pending]
+        out: dict[tuple[Any, ...], Params] = {}
         for _ in range(PREFETCH):
-            seen = Seen(space, self.problem, self.done, self.part_times, self.best_params,
-                        queued + list(upcoming.values()))
+            seen = Seen(space, problem, self.done, self.part_times, self.best_params,
+                        queued + list(out.values()))
             point = candidates.polish_point(seen, self.skipped_parts)
             if point is None:
                 break
             params = space.complete({n: point[n] for n in space.active(point)})
-            upcoming[sig(params)] = params
-        for key in [k for k in self.prefetched if k not in upcoming]:
-            self.prefetched.pop(key).cancel()
-        for key, params in upcoming.items():
-            if key not in self.prefetched:
-                try:
-                    self.prefetched[key] = pool.submit(self.problem_d, self.direction, params)
-                except Exception:  # a broken pool: the candidate compiles when it is asked
-                    self.session.reset_pool()
+            out[sig(params)] = params
+        return list(out.values())
+
+    def _prefetch(self) -> None:
+        """Compile the next polishing points (:meth:`_upcoming`) ahead, on the compile
+        pool's idle workers, before each measurement. A polishing point is known only
+        once the trial before it is measured; without this each one waited for its own
+        compile (1.25 s median for a backward in the H200 sweep, against 0.1-0.3 s to
+        measure it). Compiles not started whose point is no longer among the next are
+        cancelled, and no more than the pool's workers less :data:`PREFETCH_RESERVE` run
+        at once. (Compiling the incumbent's whole neighbourhood instead, each backward
+        launch's moves alone, waited as long in the simulation of
+        ``tests/autotune/test_proposer.py`` and compiled half as much again.)"""
+        pool = self.session.pool
+        if pool is None or self.polish_from is None or not self.best_params \
+                or (self.s.trials is not None and self.measured < self.polish_from):
+            return
+        wanted = self._upcoming()
+        keys = {sig(p) for p in wanted} | {sig(p) for _, p, _, _ in self.pending}
+        for key in [k for k, f in self.compiles.items() if k not in keys and f.cancel()]:
+            del self.compiles[key]
+        workers = int(getattr(pool, "n", self.session.compile_workers))
+        room = workers - PREFETCH_RESERVE - sum(not f.done() for f in self.compiles.values())
+        for params in wanted:
+            if room <= 0:
+                break
+            if sig(params) not in self.compiles:
+                if self._submit(params) is None:
                     return
+                room -= 1
 
     def _head_ready(self) -> bool:
         """Whether the next candidate in the queue can be measured without waiting for its
@@ -500,9 +557,9 @@ class Search:
         measured, and the record never sees them."""
         from optuna.trial import TrialState
 
-        for fut in self.prefetched.values():
+        for fut in self.compiles.values():
             fut.cancel()
-        self.prefetched.clear()
+        self.compiles.clear()
         for trial, _, fut, _ in self.pending:
             if fut is not None:
                 fut.cancel()

@@ -24,8 +24,9 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    is full):
    - recombined, once the sampler's random start-up trials are in;
    - polishing, after the first 40% of a trial budget, or with only a time budget as
-     soon as the warm-start seeds are measured; the next few polishing points compile
-     ahead of their turn on the pool's idle workers.
+     soon as the warm-start seeds are measured. The incumbent's neighbourhood (the
+     next polishing points, then every one-step move; for the backward, each launch's
+     moves alone) compiles ahead of its turn on the pool's idle workers.
    The compile lookahead shrinks with a small trial budget: a sampler that proposes
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
@@ -183,7 +184,8 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     upgrade made stale: the best prior there is), the shipped layer's winner for the key
     on this device, the heuristic default, then the key's results on other devices (the
     database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
-    database's and, with ``shipped``, the shipped layer's, nearest first). Each is
+    database's and, with ``shipped``, the shipped layer's, nearest first), and last the
+    default's tiles in each other kernel variant that may serve the problem. Each is
     projected into ``space`` (points outside it are skipped)."""
     out: list[tuple[dict[str, Any], str]] = []
     seen: set[tuple[Any, ...]] = set()
@@ -226,12 +228,21 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
             add(dict(r.config), "stale")
     if key in table and getattr(table[key], "origin", "") == "shipped":
         add(dict(table[key].config), "shipped")
-    add(config_to_dict(default_config(direction, problem)), "default")
+    default = config_to_dict(default_config(direction, problem))
+    add(default, "default")
     for r in seeds:
         if r.key == key and r.device.fingerprint != here:
             add(dict(r.config), f"device:{r.device.name}")
     for r in nearest_results(table, key, n_nearest):
         add(dict(r.config), "nearest")
+    # The default's tiles in each other kernel variant that may serve the problem: a
+    # short search then compares the kernel families before it polishes one (polishing
+    # moves the variant last, after every tile move).
+    if "variant" in space.fields:
+        allowed = set(space.variants(problem))
+        for point in space.neighbours(default, 1, among=["variant"]):
+            if point["variant"] in allowed and space.feasible(space.config(point), problem)[0]:
+                add(point, "variant")
     return out
 
 

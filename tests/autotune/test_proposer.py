@@ -33,11 +33,35 @@ def _ms(cfg: dict[str, Any]) -> float:
     return 1.0 + int.from_bytes(h[:4], "little") / 2**32
 
 
+BWD = SearchSpace.full("bwd")
+
+
+def _time(direction: str, cfg: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """(ms, {launch: ms}): a backward's time is the sum of its launches', each a
+    pseudo-random time of its own fields and the shared ones."""
+    if direction == "fwd":
+        return _ms(cfg), {}
+    parts = {part: _ms({f: cfg[f] for f in [*fields, *BWD.shared]})
+             for part, fields in BWD.parts.items()}
+    return sum(parts.values()), parts
+
+
+class Clock:
+    """Simulated time, in trials: measuring a candidate takes 1; building a kernel takes
+    :data:`COMPILE` (a backward compile was about four trials on the H200); a config
+    whose kernels are all built already only loads them (:data:`LOAD`)."""
+
+    COMPILE, LOAD = 4.0, 0.2
+
+    def __init__(self) -> None:
+        self.now = self.waited = 0.0
+
+
 class LogWorker:
     restarts = 0
 
-    def __init__(self, log: list[tuple[str, tuple[Any, ...]]]) -> None:
-        self.log = log
+    def __init__(self, log: list[tuple[str, tuple[Any, ...]]], clock: Clock) -> None:
+        self.log, self.clock = log, clock
 
     def start(self) -> None:
         pass
@@ -46,36 +70,64 @@ class LogWorker:
         pass
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        d = msg["direction"]
+        self.clock.now += 1.0
+        if msg["op"] == "prepare":
+            self.log.append(("prepare", ()))
+            return {"status": "ok", "seconds": 0.0}
         if msg["op"] == "measure":
             self.log.append(("measure", tuple(sorted(msg["config"].items()))))
-            ms = _ms(msg["config"])
+            ms, parts = _time(d, msg["config"])
             return {"status": "ok", "median_ms": ms, "p20_ms": ms, "p80_ms": ms,
-                    "parts_ms": {}, "compile_s": 0.0, "max_error": 0.0, "ratio": 0.0}
+                    "parts_ms": parts, "compile_s": 0.0, "max_error": 0.0, "ratio": 0.0}
         return {"status": "ok", "timings": [
-            {"median_ms": _ms(c), "p20_ms": _ms(c), "p80_ms": _ms(c), "interpreter": False}
-            for c in msg["configs"]]}
+            {"median_ms": _time(d, c)[0], "p20_ms": _time(d, c)[0],
+             "p80_ms": _time(d, c)[0], "interpreter": False} for c in msg["configs"]]}
 
 
 class Compiling(Future):  # type: ignore[type-arg]
-    """A compile that is still running until the search waits for it (then it is done):
-    the loop keeps asking ahead, as it does on a GPU while the pool compiles."""
+    """A compile running until the simulated clock reaches ``ready_at``; the search
+    waiting for it moves the clock there (the wait is summed in ``Clock.waited``)."""
+
+    def __init__(self, clock: Clock, ready_at: float) -> None:
+        super().__init__()
+        self.clock, self.ready_at = clock, ready_at
+
+    def done(self) -> bool:
+        if not super().done() and self.clock.now >= self.ready_at:
+            self.set_result((0.0, ""))
+        return super().done()
+
+    def cancel(self) -> bool:
+        return not self.done() and super().cancel()
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
+            self.clock.waited += self.ready_at - self.clock.now
+            self.clock.now = self.ready_at
             self.set_result((0.0, ""))
         return super().result(timeout)
 
 
 class LogPool:
-    busy_seconds = 0.0
+    """Compiles in simulated time, kernel by kernel: a backward's launches are built (and
+    cached) separately, so a config whose launches were all built before only loads."""
 
-    def __init__(self, log: list[tuple[str, tuple[Any, ...]]]) -> None:
-        self.log = log
+    busy_seconds = 0.0
+    n = 8  # workers
+
+    def __init__(self, log: list[tuple[str, tuple[Any, ...]]], clock: Clock) -> None:
+        self.log, self.clock = log, clock
+        self.kernels: dict[tuple[Any, ...], float] = {}  # kernel -> when it is built
 
     def submit(self, problem: Any, direction: str, config: dict[str, Any]
                ) -> Future[tuple[float, str]]:
         self.log.append(("compile", tuple(sorted(config.items()))))
-        return Compiling()
+        kernels = [BWD.part_setting(part, config) for part in BWD.parts] \
+            if direction == "bwd" else [tuple(sorted(config.items()))]
+        now = self.clock.now
+        built = [self.kernels.setdefault(k, now + Clock.COMPILE) for k in kernels]
+        return Compiling(self.clock, max(now + Clock.LOAD, *built))
 
     def close(self) -> None:
         pass
@@ -84,10 +136,11 @@ class LogPool:
 class LogSession(TuneSession):
     def __init__(self) -> None:  # noqa: D107 - no processes; everything answers at once
         self.interpret = False
-        self.compile_workers = 4
+        self.compile_workers = LogPool.n
         self.log: list[tuple[str, tuple[Any, ...]]] = []
-        self.worker = LogWorker(self.log)  # type: ignore[assignment]
-        self._pool = LogPool(self.log)  # type: ignore[assignment]
+        self.clock = Clock()
+        self._pool = LogPool(self.log, self.clock)  # type: ignore[assignment]
+        self.worker = LogWorker(self.log, self.clock)  # type: ignore[assignment]
 
 
 @pytest.fixture(autouse=True)
@@ -191,3 +244,98 @@ def test_a_polishing_move_may_change_the_kernel_variant() -> None:
     assert [n["variant"] for n in moves] == [BWD_ONE_LAUNCH]
     assert moves[0]["dq_stages"] == space.config({}).dq_stages  # type: ignore[union-attr]
     assert moves[0]["dkdv_block_n"] == base["dkdv_block_n"]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_compiling_the_next_polishing_points_ahead_cuts_the_wait(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
+    """On the simulated clock (a compile takes four trials, a backward's launches are
+    built one by one), the search waits for compiles far less when the next polishing
+    points compile ahead, and never has more compiles running than the pool's workers
+    less the ones kept free for a candidate asked for now."""
+    import flashtune.autotune.search as search_mod
+
+    def run(prefetch: int) -> LogSession:
+        monkeypatch.setattr(search_mod, "PREFETCH", prefetch)
+        session = LogSession()
+        running: list[int] = []
+        submit = session._pool.submit  # type: ignore[union-attr]
+
+        def counted(problem: Any, d: str, config: dict[str, Any]) -> Future[Any]:
+            fut = submit(problem, d, config)
+            futs.append(fut)
+            running.append(sum(not f.done() for f in futs))
+            return fut
+
+        futs: list[Future[Any]] = []
+        session._pool.submit = counted  # type: ignore[union-attr,method-assign]
+        tune(PROBLEM, direction, time_budget=600, patience=15, retime_rounds=0,
+             storage=tmp_path / f"p{prefetch}.db", session=session, store=False)
+        # The pool's own queue holds the candidates asked for (the lookahead) on top.
+        assert max(running) <= LogPool.n - search_mod.PREFETCH_RESERVE + 1, running
+        return session
+
+    ahead, alone = run(search_mod.PREFETCH), run(0)
+    assert ahead.clock.waited <= 0.5 * alone.clock.waited, \
+        (ahead.clock.waited, alone.clock.waited)
+
+
+def test_the_worker_prepares_the_problem_while_the_first_candidate_compiles(tmp_path) -> None:
+    session = LogSession()
+    tune(PROBLEM, "bwd", trials=3, retime_rounds=0, storage=tmp_path / "t.db",
+         session=session, store=False)
+    kinds = [kind for kind, _ in session.log]
+    # Asked once, after the first compile was submitted and before the first measurement.
+    assert kinds.count("prepare") == 1
+    assert kinds.index("compile") < kinds.index("prepare") < kinds.index("measure")
+
+
+def test_a_one_launch_incumbent_is_polished_field_by_field() -> None:
+    """A backward incumbent of a one-launch variant is polished around itself, one field
+    at a time, not by moving the launches of the fastest two-kernel mix."""
+    from flashtune.autotune.candidates import Seen, by_launch, polish_point, sig
+
+    p = replace_problem(deterministic=True)
+    default = BWD.complete(config_to_dict(default_config("bwd", p)))
+    fused = next(n for n in BWD.neighbours(default, among=["variant"])
+                 if n["variant"] == BWD_ONE_LAUNCH)  # its unused knobs at their defaults
+    times = {sig(default): (default, {"pre": 0.1, "dkdv": 0.5, "dq": 0.4}),
+             sig(fused): (fused, {"pre": 0.1, "dkdv+dq": 0.8})}
+    done = {sig(default): object(), sig(fused): object()}
+    two = Seen(BWD, p, done, times, default, [])
+    one = Seen(BWD, p, done, times, fused, [])
+    assert by_launch(two) and not by_launch(one)
+    point = polish_point(one, set())
+    assert point is not None and point["variant"] == BWD_ONE_LAUNCH
+    assert point in BWD.neighbours(fused)  # one field moved from the incumbent
+    moved = polish_point(two, set())
+    assert moved is not None and moved["variant"] == default["variant"]
+
+
+def replace_problem(**kw: Any) -> Problem:
+    from dataclasses import replace
+
+    return replace(PROBLEM, **kw)
+
+
+def test_the_seeds_include_the_default_in_every_other_kernel_variant() -> None:
+    from dataclasses import replace
+
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.db.fingerprint import device_info, software_info
+
+    here, sw = device_info(), software_info()
+    default = config_to_dict(default_config("bwd", PROBLEM))
+    for deterministic, variants in ((False, [0, 1, 2]), (True, [0, 2])):
+        # On this machine (no Hopper GPU) the Hopper kernels cannot serve, nor can the
+        # atomic dQ backward a deterministic problem.
+        p = replace(PROBLEM, deterministic=deterministic)
+        seeds = _seed_configs(None, here, sw, p, "bwd", BWD, shipped=False)
+        assert [s for _, s in seeds] == ["default"] + ["variant"] * (len(variants) - 1)
+        assert [pt["variant"] for pt, _ in seeds] == variants
+        for pt, _ in seeds[1:]:  # the default's tiles, where the variant has them
+            assert pt["dkdv_block_m"] == default["dkdv_block_m"]
+            assert BWD.feasible(BWD.config(pt), p)[0]
+    fwd = SearchSpace.full("fwd")
+    assert [s for _, s in _seed_configs(None, here, sw, PROBLEM, "fwd", fwd,
+                                        shipped=False)] == ["default"]

@@ -24,10 +24,17 @@ class Loop(Search):
         self.pending: deque[Any] = deque()
         self.measured = self.since_best = 0
         self.stop_reason, self.t_start = "", time.perf_counter()
+        self.prepared = True  # no worker
         self.log: list[str] = []
 
     def _priority_point(self) -> None:
         return None
+
+    def _waiting(self) -> int:
+        return 0  # no warm-start seeds
+
+    def _prefetch(self) -> None:
+        pass  # no compile pool
 
     def ask(self, *args: Any, front: bool = False) -> bool:
         fut: Future[tuple[float, str]] = Future()

@@ -268,3 +268,16 @@ def test_a_real_tune_replaces_imported_claims_whatever_they_claimed(tmp_path) ->
     with open_storage(db) as st:
         assert import_json(st, json.dumps(doc).encode()).kept == 1
         assert import_json(st, json.dumps(doc).encode(), prefer="theirs").replaced == 1
+
+
+def test_the_worker_makes_the_gate_case_before_the_first_candidate(tmp_path) -> None:
+    """The real worker prepares the problem (inputs, fp32 reference; for the backward its
+    forward) on request, so the first candidate's gate finds the reference made."""
+    events: list[dict] = []
+    r = tune(TINY, "bwd", trials=1, storage=tmp_path / "t.db", retime_rounds=0,
+             progress=events.append)
+    assert not [e for e in events if e.get("event") == "prepare"]  # it did not fail
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{tmp_path / 't.db'}")
+    assert study.user_attrs["prepare_s"] > 0
+    (first,) = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert first.state == TrialState.COMPLETE and first.user_attrs["reference_s"] == 0.0
