@@ -532,8 +532,7 @@ class Search:
         keys = {sig(p) for p in wanted} | {sig(p) for _, p, _, _ in self.pending}
         for key in [k for k, f in self.compiles.items() if k not in keys and f.cancel()]:
             del self.compiles[key]
-        workers = int(getattr(pool, "n", self.session.compile_workers))
-        room = workers - PREFETCH_RESERVE - sum(not f.done() for f in self.compiles.values())
+        room = pool.n - PREFETCH_RESERVE - sum(not f.done() for f in self.compiles.values())
         for params in wanted:
             if room <= 0:
                 break

@@ -24,9 +24,10 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    is full):
    - recombined, once the sampler's random start-up trials are in;
    - polishing, after the first 40% of a trial budget, or with only a time budget as
-     soon as the warm-start seeds are measured. The incumbent's neighbourhood (the
-     next polishing points, then every one-step move; for the backward, each launch's
-     moves alone) compiles ahead of its turn on the pool's idle workers.
+     soon as the warm-start seeds are measured. The next few polishing points compile
+     ahead of their turn on the pool's idle workers, re-planned before every
+     measurement. The worker makes the problem's gate case and reference while the
+     first candidate compiles.
    The compile lookahead shrinks with a small trial budget: a sampler that proposes
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
@@ -187,6 +188,8 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     database's and, with ``shipped``, the shipped layer's, nearest first), and last the
     default's tiles in each other kernel variant that may serve the problem. Each is
     projected into ``space`` (points outside it are skipped)."""
+    from flashtune.db.storage import nearest_results
+
     out: list[tuple[dict[str, Any], str]] = []
     seen: set[tuple[Any, ...]] = set()
 
@@ -208,8 +211,6 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     here, key = device.fingerprint, problem.key(direction)
     # Tuned keys of this device, for the nearest seeds: the database over the shipped layer.
     table: dict[Any, Any] = {}
-    from flashtune.db.storage import nearest_results
-
     if shipped:
         from flashtune.db.exchange import shipped_results
 

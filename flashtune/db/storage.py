@@ -105,15 +105,16 @@ class Result:
         return self if stale == self.stale else replace(self, stale=stale)
 
 
-
 def nearest_results(table: Mapping[ProblemKey, Result], key: ProblemKey,
                     n: int) -> list[Result]:
     """Up to ``n`` results of ``table`` (by key) closest to ``key`` by
     :meth:`ProblemKey.distance` (finite only; the exact key first, if present), ties broken
     by ``median_ms``."""
-    ranked = sorted(((k.distance(key), r.median_ms, k, r) for k, r in table.items()
-                     if k.distance(key) != float("inf")), key=lambda t: t[:3])
+    ranked = sorted((t for t in ((k.distance(key), r.median_ms, k, r)
+                                 for k, r in table.items()) if t[0] != float("inf")),
+                    key=lambda t: t[:3])
     return [r for *_, r in ranked[:n]]
+
 
 class Storage(abc.ABC):
     """The tuning database, as the tuner, the dispatcher and the CLI use it.
