@@ -28,7 +28,8 @@
   times S, then both winners
   re-timed side by side (9 rounds, alternating); "gap" is the short search's winner
   over the long one's. Each search's measured trials are kept (``*_trials_log``), for
-  replaying on a CPU where the short search went.
+  replaying on a CPU where the short search went, and the seconds of the worker's
+  setup of the problem (``*_prepare``: the backward's forward, the gate case).
 
 Every run uses an in-memory tuning database (nothing is stored on the host), without
 the shipped layer's seeds (each search starts from the default, as on a new GPU), and
@@ -127,8 +128,10 @@ def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]]
     return [t["median_ms"] for t in reply["timings"]]
 
 
-def _trial_log(log: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
-    """A progress callback that keeps every measured trial (the landscape a search saw)."""
+def _trial_log(log: list[dict[str, Any]], prepare: list[dict[str, Any]] | None = None
+               ) -> Callable[[dict[str, Any]], None]:
+    """A progress callback that keeps every measured trial (the landscape a search saw),
+    and in ``prepare`` the worker's setup of the problem (when it ended, its seconds)."""
     def cb(ev: dict[str, Any]) -> None:
         if ev.get("event") == "trial":
             log.append({k: ev.get(k) for k in ("number", "status", "config", "value_ms",
@@ -136,6 +139,8 @@ def _trial_log(log: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
                                                "seconds")})
             if ev.get("status") != "ok":
                 log[-1]["detail"] = str(ev.get("detail", ""))[:300]
+        elif ev.get("event") == "prepare" and prepare is not None:
+            prepare.append({k: ev.get(k) for k in ("status", "elapsed_s", "seconds")})
     return cb
 
 
@@ -359,12 +364,13 @@ def cmd_budget(args: argparse.Namespace) -> None:
             for p in probs:
                 short_log: list[dict[str, Any]] = []
                 long_log: list[dict[str, Any]] = []
+                prep: dict[str, list[dict[str, Any]]] = {"short": [], "long": []}
                 short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
                              session=sess, store=False, **NO_SHIPPED, seed=args.seed,
-                             progress=_trial_log(short_log))
+                             progress=_trial_log(short_log, prep["short"]))
                 long = tune(p, d, time_budget=args.factor * args.time_budget,
                             storage="sqlite://", session=sess, store=False, **NO_SHIPPED,
-                            seed=args.seed + 1, progress=_trial_log(long_log))
+                            seed=args.seed + 1, progress=_trial_log(long_log, prep["long"]))
                 cs, cl = config_to_dict(short.config), config_to_dict(long.config)
                 ms = _retime(sess, p, d, [cs] if cs == cl else [cs, cl], rounds=9)
                 row = {"direction": d, "problem": _label(p), "short_trials": short.trials,
@@ -377,6 +383,7 @@ def cmd_budget(args: argparse.Namespace) -> None:
                        "short_infeasible": short.infeasible,
                        "long_infeasible": long.infeasible,
                        "short_config": cs, "long_config": cl,
+                       "short_prepare": prep["short"], "long_prepare": prep["long"],
                        "short_trials_log": short_log, "long_trials_log": long_log}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if not k.endswith("_log")}),

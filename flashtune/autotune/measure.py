@@ -147,18 +147,22 @@ class Bench:
         _sync()
         return c, time.perf_counter() - t0
 
-    def prepare(self, direction: str, seed: int) -> float:
+    def prepare(self, direction: str, seed: int) -> dict[str, float]:
         """What the first measurement of the problem would do besides the candidate:
         the gate case and its fp32 reference, and for the backward the forward (default
         config) whose output and log-sum-exp it reads, compiled on first use. The search
         asks for it while the compile pool builds the first candidate, so the two
-        overlap. Returns its seconds."""
+        overlap. Returns the seconds of each: ``forward_s`` (0 for the forward),
+        ``case_s`` and their sum ``seconds``."""
         t0 = time.perf_counter()
         if direction == "bwd":
             self._bwd_args()
+            _sync()
+        t1 = time.perf_counter()
         self.case(direction, seed)
         _sync()
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return {"seconds": t2 - t0, "forward_s": t1 - t0, "case_s": t2 - t1}
 
     def _bwd_args(self) -> tuple[torch.Tensor, ...]:
         import flashtune.kernels.attn_fwd as fwd_mod

@@ -351,9 +351,14 @@ class Search:
         t0 = time.perf_counter()
         reply = self._request("prepare", self.s.trial_timeout,
                               seed=self.s.seed * 1_000_003 + trial.number)
-        self.study.set_user_attr("prepare_s", time.perf_counter() - t0)
-        if reply.get("status") != "ok":
-            self.emit(event="prepare", detail=str(reply.get("detail", ""))[:300])
+        seconds = time.perf_counter() - t0
+        self.study.set_user_attr("prepare_s", seconds)
+        parts = {k: float(reply[k]) for k in ("forward_s", "case_s") if k in reply}
+        ev: dict[str, Any] = {"status": str(reply.get("status", "error")),
+                              "seconds": {"wall_s": seconds, **parts}}
+        if ev["status"] != "ok":
+            ev["detail"] = str(reply.get("detail", ""))[:300]
+        self.emit(event="prepare", **ev)
 
     def _wait_compile(self, fut: Future[tuple[float, str]] | None, t0: float) -> str:
         """Wait for the pool's build of a candidate; its error message, if any."""

@@ -52,6 +52,7 @@ from typing import Any
 from flashtune._env import interpreting, setenv
 from flashtune.autotune._compile import CompilePool
 from flashtune.autotune._isolation import Worker
+from flashtune.autotune.priors import prior_points
 from flashtune.autotune.search import ProgressFn, Search, Settings
 from flashtune.autotune.space import Config, SearchSpace
 from flashtune.autotune.study import (
@@ -86,10 +87,11 @@ class TuneResult:
     of which ``complete`` passed the gate, ``failed`` failed it or crashed, and
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
     rule before compiling. ``winner_source`` says where the winner came from: "sampler",
-    a warm-start seed ("default", "stale", "shipped", "nearest", "device:NAME"), "compose",
-    "polish" or "grid". ``compile_seconds`` is the compile time on the critical path:
-    waiting for the compile pool plus the first launch in the timing worker (a compile,
-    or a load from Triton's cache); ``pool_compile_seconds`` is the pool's busy time.
+    a warm-start seed ("default", "stale", "shipped", "nearest", "device:NAME", "prior",
+    "variant"), "compose", "polish" or "grid". ``compile_seconds`` is the compile time on
+    the critical path: waiting for the compile pool plus the first launch in the timing
+    worker (a compile, or a load from Triton's cache); ``pool_compile_seconds`` is the
+    pool's busy time.
     """
 
     problem: Problem
@@ -185,9 +187,10 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     upgrade made stale: the best prior there is), the shipped layer's winner for the key
     on this device, the heuristic default, then the key's results on other devices (the
     database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
-    database's and, with ``shipped``, the shipped layer's, nearest first), and last the
-    default's tiles in each other kernel variant that may serve the problem. Each is
-    projected into ``space`` (points outside it are skipped)."""
+    database's and, with ``shipped``, the shipped layer's, nearest first), the prior
+    points of the device's architecture (:func:`~flashtune.autotune.priors.prior_points`),
+    and last the default's tiles in each other kernel variant that may serve the problem.
+    Each is projected into ``space`` (points outside it are skipped)."""
     from flashtune.db.storage import nearest_results
 
     out: list[tuple[dict[str, Any], str]] = []
@@ -236,6 +239,10 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
             add(dict(r.config), f"device:{r.device.name}")
     for r in nearest_results(table, key, n_nearest):
         add(dict(r.config), "nearest")
+    # Where the device's architecture has a prior (:mod:`.priors`): the points that long
+    # searches there found several moves away from the default.
+    for point in prior_points(direction, problem, getattr(device, "capability", "")):
+        add(point, "prior")
     # The default's tiles in each other kernel variant that may serve the problem: a
     # short search then compares the kernel families before it polishes one (polishing
     # moves the variant last, after every tile move).

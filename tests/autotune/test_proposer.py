@@ -340,3 +340,52 @@ def test_the_seeds_include_the_default_in_every_other_kernel_variant() -> None:
     fwd = SearchSpace.full("fwd")
     assert [s for _, s in _seed_configs(None, here, sw, PROBLEM, "fwd", fwd,
                                         shipped=False)] == ["default"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
+        head_dim: int) -> None:
+    from flashtune.autotune.priors import prior_points
+
+    p = Problem(batch=3, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000,
+                head_dim=head_dim, causal=True)
+    points = prior_points("bwd", p, "9.0")
+    assert points, "the sm90 backward has a prior"
+    assert len({json.dumps(pt, sort_keys=True) for pt in points}) == len(points)
+    for pt in points:
+        base = config_to_dict(config.default_bwd(p, pt["variant"]))
+        assert pt["variant"] in (config.BWD_TWO_KERNEL, BWD_ONE_LAUNCH)
+        assert config.is_feasible(config.BwdConfig(**pt), p)[0]
+        assert BWD.project(pt) == pt
+        # Every point widens the dQ kernel's key step and runs it with two stages.
+        assert (pt["dq_block_n"], pt["dq_stages"]) == (2 * base["dq_block_n"], 2)
+    # The first point also moves the dK/dV tile the way the head dim calls for.
+    first = points[0]
+    base = config_to_dict(config.default_bwd(p, first["variant"]))
+    assert first["variant"] == BWD_ONE_LAUNCH
+    if head_dim > 64:
+        assert first["dkdv_block_m"] == 2 * base["dkdv_block_m"]
+    else:
+        assert first["dkdv_block_n"] == base["dkdv_block_n"] // 2
+    # No prior for another architecture, the interpreter or the forward.
+    assert prior_points("bwd", p, "8.0") == []
+    assert prior_points("bwd", p, "cpu") == []
+    assert prior_points("fwd", p, "9.0") == []
+
+
+def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants() -> None:
+    from dataclasses import replace
+
+    from flashtune.autotune.priors import prior_points
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.db.fingerprint import device_info, software_info
+
+    sw, cpu = software_info(), device_info("cpu")
+    hopper = replace(cpu, name="NVIDIA H200", capability="9.0", sm_count=132, memory_gb=140)
+    sources = [s for _, s in _seed_configs(None, hopper, sw, PROBLEM, "bwd", BWD,
+                                           shipped=False)]
+    n = len(prior_points("bwd", PROBLEM, "9.0"))
+    assert n and sources[:n + 1] == ["default"] + ["prior"] * n
+    assert set(sources[n + 1:]) <= {"variant"}
+    assert "prior" not in [s for _, s in _seed_configs(None, cpu, sw, PROBLEM, "bwd", BWD,
+                                                         shipped=False)]

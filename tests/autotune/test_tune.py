@@ -276,7 +276,11 @@ def test_the_worker_makes_the_gate_case_before_the_first_candidate(tmp_path) -> 
     events: list[dict] = []
     r = tune(TINY, "bwd", trials=1, storage=tmp_path / "t.db", retime_rounds=0,
              progress=events.append)
-    assert not [e for e in events if e.get("event") == "prepare"]  # it did not fail
+    (prep,) = [e for e in events if e.get("event") == "prepare"]
+    assert prep["status"] == "ok", prep  # it did not fail
+    # Its parts: the forward that gives O and the log-sum-exp, then the gate case.
+    assert prep["seconds"]["forward_s"] > 0 and prep["seconds"]["case_s"] > 0
+    assert prep["seconds"]["wall_s"] >= prep["seconds"]["forward_s"] + prep["seconds"]["case_s"]
     study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{tmp_path / 't.db'}")
     assert study.user_attrs["prepare_s"] > 0
     (first,) = [t for t in study.trials if t.user_attrs.get("measured")]

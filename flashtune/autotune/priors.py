@@ -1,0 +1,98 @@
+"""Architecture priors: warm-start points that carry what long searches learned on an
+architecture to a search that is too short to find it again.
+
+A short search polishes the heuristic default one field at a time. Where the best configs
+of an architecture sit several fields away from the default, consistently across shapes,
+that search cannot reach them in its budget, while a search five times as long does. A
+prior names those moves, relative to the default, so that they apply to any shape; the
+tuner compiles the resulting points with the seeds, on the pool's otherwise idle workers,
+and measures them like any other candidate (the gate included). A prior is a guess to
+measure, never a result.
+
+The backward prior for sm90 (H100, H200) comes from the 60 s searches of the budget check
+on the H200 (BENCHMARKS.md, "Architecture priors"): over 15 long searches of four shapes,
+the winner moved the dQ kernel to 2 stages (14 of 15) and 64 keys per step (12 of 15),
+ran both kernels as one launch (12 of 15), and grew the dK/dV tile's query rows at
+head dim 128 (10 of 11) or shrank its key rows and the dQ tile's query rows at head dim 64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flashtune.kernels.config import (
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    BwdConfig,
+    InfeasibleConfigError,
+    active_fields,
+    config_to_dict,
+    default_bwd,
+    is_feasible,
+)
+from flashtune.problem import Problem
+
+Move = Callable[[dict[str, Any], Problem], dict[str, Any]]
+
+
+def _dq_wide(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The dQ kernel: twice the keys per inner step, two stages."""
+    return {"dq_block_n": 2 * c["dq_block_n"], "dq_stages": 2}
+
+
+def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The dK/dV tile by head dim: more query rows at D > 64; at D <= 64 fewer key rows,
+    and fewer query rows per dQ program."""
+    if p.head_dim > 64:
+        return {"dkdv_block_m": 2 * c["dkdv_block_m"]}
+    return {"dkdv_block_n": c["dkdv_block_n"] // 2, "dq_block_m": c["dq_block_m"] // 2}
+
+
+# (direction, compute-capability major) -> the prior points, as (kernel variant, moves)
+# applied in order to that variant's heuristic tiles; the most likely first.
+PRIORS: dict[tuple[str, int], list[tuple[int, tuple[Move, ...]]]] = {
+    ("bwd", 9): [
+        (BWD_ONE_LAUNCH, (_dq_wide, _tiles)),
+        (BWD_TWO_KERNEL, (_dq_wide, _tiles)),
+        (BWD_ONE_LAUNCH, (_dq_wide,)),
+        (BWD_TWO_KERNEL, (_dq_wide,)),
+    ],
+}
+
+
+def _major(capability: str) -> int | None:
+    head = str(capability).split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _feasible(point: dict[str, Any], problem: Problem) -> bool:
+    try:
+        return bool(is_feasible(BwdConfig(**point), problem)[0])
+    except (TypeError, ValueError):
+        return False
+
+
+def prior_points(direction: str, problem: Problem, capability: str) -> list[dict[str, Any]]:
+    """The architecture's prior points for ``problem`` (full config dicts), feasible ones
+    only, in order; none for an architecture without a prior (or the CPU interpreter)."""
+    major = _major(capability)
+    out: list[dict[str, Any]] = []
+    for variant, moves in PRIORS.get((direction, major), []) if major is not None else []:
+        try:
+            base = config_to_dict(default_bwd(problem, variant))
+        except InfeasibleConfigError:
+            continue  # the variant cannot serve this problem
+        point = dict(base)
+        for move in moves:
+            point.update(move(point, problem))
+        # The knobs the variant does not use keep their defaults: one spelling per kernel.
+        used, blank = set(active_fields(BwdConfig, variant)), config_to_dict(BwdConfig())
+        point = {k: v if k in used else blank[k] for k, v in point.items()}
+        # A dQ tile too large for its warps' registers gives up query rows (the long
+        # searches' two-kernel winners at head dim 128 ran 64 of them).
+        while not _feasible(point, problem) and point["dq_block_m"] > 16:
+            point["dq_block_m"] //= 2
+        if _feasible(point, problem) and point != base and point not in out:
+            out.append(point)
+    return out
