@@ -36,17 +36,29 @@ from flashtune.problem import Problem
 Move = Callable[[dict[str, Any], Problem], dict[str, Any]]
 
 
+MIN_BLOCK = 16  # the smallest tile side the kernels take
+
+
+def _grow(size: int, length: int) -> int:
+    """``size`` doubled, unless the sequence (``length`` rows) is shorter than that."""
+    return 2 * size if 2 * size <= max(MIN_BLOCK, length) else size
+
+
+def _shrink(size: int) -> int:
+    return max(MIN_BLOCK, size // 2)
+
+
 def _dq_wide(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The dQ kernel: twice the keys per inner step, two stages."""
-    return {"dq_block_n": 2 * c["dq_block_n"], "dq_stages": 2}
+    return {"dq_block_n": _grow(c["dq_block_n"], p.seqlen_k), "dq_stages": 2}
 
 
 def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The dK/dV tile by head dim: more query rows at D > 64; at D <= 64 fewer key rows,
     and fewer query rows per dQ program."""
     if p.head_dim > 64:
-        return {"dkdv_block_m": 2 * c["dkdv_block_m"]}
-    return {"dkdv_block_n": c["dkdv_block_n"] // 2, "dq_block_m": c["dq_block_m"] // 2}
+        return {"dkdv_block_m": _grow(c["dkdv_block_m"], p.seqlen_q)}
+    return {"dkdv_block_n": _shrink(c["dkdv_block_n"]), "dq_block_m": _shrink(c["dq_block_m"])}
 
 
 # (direction, compute-capability major) -> the prior points, as (kernel variant, moves)
@@ -91,7 +103,7 @@ def prior_points(direction: str, problem: Problem, capability: str) -> list[dict
         point = {k: v if k in used else blank[k] for k, v in point.items()}
         # A dQ tile too large for its warps' registers gives up query rows (the long
         # searches' two-kernel winners at head dim 128 ran 64 of them).
-        while not _feasible(point, problem) and point["dq_block_m"] > 16:
+        while not _feasible(point, problem) and point["dq_block_m"] > MIN_BLOCK:
             point["dq_block_m"] //= 2
         if _feasible(point, problem) and point != base and point not in out:
             out.append(point)

@@ -367,6 +367,13 @@ def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
         assert first["dkdv_block_m"] == 2 * base["dkdv_block_m"]
     else:
         assert first["dkdv_block_n"] == base["dkdv_block_n"] // 2
+    # A short sequence keeps its tiles within the rows it has, and in the space.
+    short = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=head_dim)
+    short_points = prior_points("bwd", short, "9.0")
+    assert short_points
+    for pt in short_points:
+        assert BWD.project(pt) == pt
+        assert max(pt["dq_block_n"], pt["dkdv_block_m"], pt["dq_block_m"]) == 16, pt
     # No prior for another architecture, the interpreter or the forward.
     assert prior_points("bwd", p, "8.0") == []
     assert prior_points("bwd", p, "cpu") == []
