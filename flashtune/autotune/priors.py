@@ -10,10 +10,12 @@ and measures them like any other candidate (the gate included). A prior is a gue
 measure, never a result.
 
 The backward prior for sm90 (H100, H200) comes from the 60 s searches of the budget check
-on the H200 (BENCHMARKS.md, "Architecture priors"): over 15 long searches of four shapes,
-the winner moved the dQ kernel to 2 stages (14 of 15) and 64 keys per step (12 of 15),
+on the H200 in session 10 (``benchmarks/data/budget_h200_s10.json``; BENCHMARKS.md, issue
+17, "with the sm90 backward prior"): over 15 long searches of four shapes,
+the winner moved the dQ kernel to 2 stages (14 of 15) and 64 keys per step (13 of 15),
 ran both kernels as one launch (12 of 15), and grew the dK/dV tile's query rows at
-head dim 128 (10 of 11) or shrank its key rows and the dQ tile's query rows at head dim 64.
+head dim 128 (9 of 11) or shrank its key rows and the dQ tile's query rows at head dim 64
+(4 of 4).
 """
 
 from __future__ import annotations
@@ -61,10 +63,10 @@ def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"dkdv_block_n": _shrink(c["dkdv_block_n"]), "dq_block_m": _shrink(c["dq_block_m"])}
 
 
-# (direction, compute-capability major) -> the prior points, as (kernel variant, moves)
+# Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
-PRIORS: dict[tuple[str, int], list[tuple[int, tuple[Move, ...]]]] = {
-    ("bwd", 9): [
+BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
+    9: [
         (BWD_ONE_LAUNCH, (_dq_wide, _tiles)),
         (BWD_TWO_KERNEL, (_dq_wide, _tiles)),
         (BWD_ONE_LAUNCH, (_dq_wide,)),
@@ -79,18 +81,18 @@ def _major(capability: str) -> int | None:
 
 
 def _feasible(point: dict[str, Any], problem: Problem) -> bool:
-    try:
-        return bool(is_feasible(BwdConfig(**point), problem)[0])
-    except (TypeError, ValueError):
-        return False
+    return bool(is_feasible(BwdConfig(**point), problem)[0])
 
 
 def prior_points(direction: str, problem: Problem, capability: str) -> list[dict[str, Any]]:
     """The architecture's prior points for ``problem`` (full config dicts), feasible ones
-    only, in order; none for an architecture without a prior (or the CPU interpreter)."""
+    only, in order; none for the forward (its short searches already land within 2% of
+    the long ones), an architecture without a prior, or the CPU interpreter."""
     major = _major(capability)
+    if direction != "bwd" or major is None:
+        return []
     out: list[dict[str, Any]] = []
-    for variant, moves in PRIORS.get((direction, major), []) if major is not None else []:
+    for variant, moves in BWD_PRIORS.get(major, []):
         try:
             base = config_to_dict(default_bwd(problem, variant))
         except InfeasibleConfigError:

@@ -241,7 +241,7 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         add(dict(r.config), "nearest")
     # Where the device's architecture has a prior (:mod:`.priors`): the points that long
     # searches there found several moves away from the default.
-    for point in prior_points(direction, problem, getattr(device, "capability", "")):
+    for point in prior_points(direction, problem, device.capability):
         add(point, "prior")
     # The default's tiles in each other kernel variant that may serve the problem: a
     # short search then compares the kernel families before it polishes one (polishing
