@@ -26,14 +26,21 @@ from flashtune._env import interpreting
 
 def _warm_libraries(torch: Any) -> None:
     """Pay the CUDA libraries' one-time setup now, at the worker's start (a sweep's
-    ``TuneSession.warm``), not in the first problem's gate: cuBLAS and the autograd
-    engine's device thread, which the fp32 reference's backward uses. In the H200 budget
-    check the first problem's gate case took 3.5 s without this, 2.3-2.5 s with it, and
-    0.1-1.6 s for the problems after it. Best effort: a failure here shows again, and is
-    recorded, at the first measurement."""
+    ``TuneSession.warm``), not in the first problem's gate: cuBLAS, the autograd engine's
+    device thread and the lazily loaded kernels of the fp32 and low-precision reference
+    (forward and gradients, at both common head dims). In the H200 budget check the first
+    problem's gate case took 3.5 s with no warm-up, 2.3-2.6 s after a small matmul and
+    backward alone, and 0.1-1.6 s for the problems after it. Best effort: a failure here
+    shows again, and is recorded, at the first measurement."""
     try:
-        a = torch.randn(64, 64, device="cuda", requires_grad=True)
-        torch.softmax(a @ a.t(), dim=-1).matmul(a).sum().backward()
+        from flashtune.kernels.reference import reference
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for d in (64, 128):
+            q, k, v, do = (torch.randn(1, 4, 1024, d, device="cuda", generator=gen,
+                                       dtype=torch.bfloat16) for _ in range(4))
+            reference(q, k, v, do, causal=True, softmax_scale=None, window_size=(-1, -1),
+                      softcap=0.0)
         torch.cuda.synchronize()
     except Exception:  # noqa: S110 - see the docstring
         pass

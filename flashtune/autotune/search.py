@@ -44,7 +44,10 @@ ABANDON_OVER = 1.1
 TRIAL_SECONDS = ("pool_wait_s", "wall_s", "compile_s", "gate_s", "reference_s", "time_s",
                  "confirm_s")
 # Polishing points compiled ahead of their turn (see Search._prefetch).
-PREFETCH = 4
+PREFETCH = 8
+# While the next candidate still compiles, measure one that is built already (see
+# Search._fill_wait).
+FILL_WAITS = True
 # Compile workers that the compiles started ahead leave free, so that a candidate asked
 # for now does not queue behind them (the pool runs its queue in order).
 PREFETCH_RESERVE = 2
@@ -123,6 +126,7 @@ class Search:
         self.stop_reason = ""
         self.prepared = False  # the worker has this problem's gate case (see _prepare)
         self.compile_s = 0.0
+        self.wanted: list[Params] = []  # the next polishing points (see _prefetch)
         self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
         self._load_tallies()
         # From here on, polishing candidates go before the sampler's picks: after the
@@ -476,6 +480,8 @@ class Search:
                 self._prefetch()
                 if not self.prepared:
                     self._prepare(self.pending[0][0])
+                if FILL_WAITS and not self._head_ready():
+                    self._fill_wait()
                 self.measure(*self.pending[0])
                 self.pending.popleft()
         finally:
@@ -504,13 +510,13 @@ class Search:
         self.compiles[sig(params)] = fut
         return fut
 
-    def _upcoming(self) -> list[Params]:
-        """The next :data:`PREFETCH` polishing points, if the incumbent holds."""
+    def _upcoming(self, centre: Params) -> list[Params]:
+        """The next :data:`PREFETCH` polishing points around ``centre``, if it holds."""
         space, problem = self.s.space, self.problem
         queued = [p for _, p, _, _ in self.pending]
         out: dict[tuple[Any, ...], Params] = {}
         for _ in range(PREFETCH):
-            seen = Seen(space, problem, self.done, self.part_times, self.best_params,
+            seen = Seen(space, problem, self.done, self.part_times, centre,
                         queued + list(out.values()))
             point = candidates.polish_point(seen, self.skipped_parts)
             if point is None:
@@ -518,6 +524,18 @@ class Search:
             params = space.complete({n: point[n] for n in space.active(point)})
             out[sig(params)] = params
         return list(out.values())
+
+    def _centre(self) -> Params:
+        """Where polishing goes on from: the incumbent; before the first measurement,
+        under a time budget, the first architecture-prior seed queued (else the first
+        seed, the default), the seed that the H200's backward searches most often kept.
+        Its neighbours then compile on the idle workers while the worker prepares the
+        problem and the seeds are measured."""
+        if self.best_params or self.s.trials is not None:
+            return self.best_params
+        queued = [(p, src) for _, p, _, src in self.pending]
+        return next((p for p, src in queued if src == "prior"),
+                    queued[0][0] if queued else {})
 
     def _prefetch(self) -> None:
         """Compile the next polishing points (:meth:`_upcoming`) ahead, on the compile
@@ -530,10 +548,11 @@ class Search:
         launch's moves alone, waited as long in the simulation of
         ``tests/autotune/test_proposer.py`` and compiled half as much again.)"""
         pool = self.session.pool
-        if pool is None or self.polish_from is None or not self.best_params \
+        centre = self._centre()
+        if pool is None or self.polish_from is None or not centre \
                 or (self.s.trials is not None and self.measured < self.polish_from):
             return
-        wanted = self._upcoming()
+        wanted = self.wanted = self._upcoming(centre)
         keys = {sig(p) for p in wanted} | {sig(p) for _, p, _, _ in self.pending}
         for key in [k for k, f in self.compiles.items() if k not in keys and f.cancel()]:
             del self.compiles[key]
@@ -545,6 +564,38 @@ class Search:
                 if self._submit(params) is None:
                     return
                 room -= 1
+
+    def _fill_wait(self) -> None:
+        """The next candidate is still compiling: bring to the front one that is built,
+        so the GPU measures instead of waiting. First a queued candidate whose compile
+        is done; else a polishing point compiled ahead and not measured (the incumbent's
+        next ones first, then those left from an earlier incumbent, which the search
+        moved away from on the first improving step). On the H200 a one-launch backward
+        compile kept the GPU idle 1-3 s per polishing step of a 12 s search, and the
+        short search of BENCHMARKS.md's miss (B16 H32 S1024 D64 causal) left the move its
+        60 s search won with built and unmeasured."""
+        for i, entry in enumerate(self.pending):
+            if entry[2] is None or (entry[2].done() and not entry[2].cancelled()):
+                if i:
+                    del self.pending[i]
+                    self.pending.appendleft(entry)
+                return
+        if self._waiting() or self.polish_from is None or (
+                self.s.trials is not None
+                and self.measured + len(self.pending) >= self.s.trials):
+            return
+        queued = [p for _, p, _, _ in self.pending]
+        wanted = {sig(p): p for p in self.wanted}
+        for key in [*wanted, *self.compiles]:
+            fut = self.compiles.get(key)
+            if fut is None or not fut.done() or fut.cancelled() or key in self.done:
+                continue
+            with contextlib.suppress(Exception):
+                if fut.result()[1]:
+                    continue  # did not build: its measurement would only say so again
+                params = wanted.get(key) or dict(key)
+                if params not in queued and self.ask(params, "polish", front=True):
+                    return
 
     def _head_ready(self) -> bool:
         """Whether the next candidate in the queue can be measured without waiting for its

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -178,11 +179,12 @@ def test_time_budget_polishes_as_soon_as_the_seeds_are_measured(tmp_path) -> Non
     # untried neighbours (the old rule waited for 20 trials).
     assert sources[:6].count("sampler") == 0, sources
     # Nor does it compile the sampler's picks ahead while polishing has points to offer:
-    # up to the first polishing trial the pool built the default and polishing points.
+    # up to the first polishing trial the pool built the default and polishing points
+    # (one or two steps from the default, compiled ahead while the default was measured).
     first_polish = tuple(sorted(space.complete(measured[1].params).items()))
     built = [cfg for kind, cfg in session.log[:session.log.index(("measure", first_polish))]
              if kind == "compile"]
-    polish = {tuple(sorted(n.items())) for n in space.neighbours(default)}
+    polish = {tuple(sorted(n.items())) for r in (1, 2) for n in space.neighbours(default, r)}
     assert built[0] == tuple(sorted(default.items()))
     assert built[1:] and all(c in polish for c in built[1:]), built
 
@@ -279,6 +281,58 @@ def test_compiling_the_next_polishing_points_ahead_cuts_the_wait(
     ahead, alone = run(search_mod.PREFETCH), run(0)
     assert ahead.clock.waited <= 0.5 * alone.clock.waited, \
         (ahead.clock.waited, alone.clock.waited)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_the_gpu_measures_built_points_while_the_next_candidate_compiles(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
+    """Under a time budget counted on the simulated clock, a search that measures built
+    points while the head of its queue compiles waits for compiles at most half as long,
+    and measures more candidates in the same budget, than one that waits; and it never
+    measures a point twice."""
+    import flashtune.autotune.search as search_mod
+    import flashtune.autotune.tuner as tuner_mod
+
+    def run(fill: bool) -> LogSession:
+        monkeypatch.setattr(search_mod, "FILL_WAITS", fill)
+        session = LogSession()
+        clock = types.SimpleNamespace(perf_counter=lambda: session.clock.now)
+        monkeypatch.setattr(search_mod, "time", clock)
+        monkeypatch.setattr(tuner_mod, "time", clock)
+        tune(PROBLEM, direction, time_budget=30, retime_rounds=0, session=session,
+             storage=tmp_path / f"{direction}{fill}.db", store=False)
+        return session
+
+    filled, waited = run(True), run(False)
+    measured = [cfg for kind, cfg in filled.log if kind == "measure"]
+    assert len(set(measured)) == len(measured)
+    assert len(measured) > sum(kind == "measure" for kind, _ in waited.log)
+    assert filled.clock.waited <= 0.5 * waited.clock.waited, \
+        (filled.clock.waited, waited.clock.waited)
+
+
+def test_under_a_time_budget_the_first_seeds_neighbours_compile_before_any_measurement(
+        tmp_path) -> None:
+    """Polishing starts from the seeds, so their neighbours are the first candidates after
+    them: with a time budget they compile while the worker prepares the problem, before
+    anything is measured. With a trial budget the sampler runs first, and nothing is
+    compiled ahead before its share of the trials."""
+    space = SearchSpace.full("fwd")
+    default = config_to_dict(default_config("fwd", PROBLEM))
+    near = {tuple(sorted(n.items())) for n in space.neighbours(default)}
+
+    def before_first_measure(**budget: Any) -> list[tuple[Any, ...]]:
+        session = LogSession()
+        tune(PROBLEM, "fwd", retime_rounds=0, session=session, store=False,
+             storage=tmp_path / f"{sorted(budget)}.db", **budget)
+        kinds = [kind for kind, _ in session.log]
+        return [cfg for kind, cfg in session.log[:kinds.index("measure")] if kind == "compile"]
+
+    timed = before_first_measure(time_budget=600, patience=5)
+    assert timed[0] == tuple(sorted(default.items()))
+    assert sum(cfg in near for cfg in timed) >= 3, timed
+    counted = before_first_measure(trials=6)
+    assert not any(cfg in near for cfg in counted), counted
 
 
 def test_the_worker_prepares_the_problem_while_the_first_candidate_compiles(tmp_path) -> None:

@@ -25,6 +25,7 @@ class Loop(Search):
         self.measured = self.since_best = 0
         self.stop_reason, self.t_start = "", time.perf_counter()
         self.prepared = True  # no worker
+        self.polish_from = None  # no polishing points compiled ahead to measure meanwhile
         self.log: list[str] = []
 
     def _priority_point(self) -> None:
