@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashtune.autotune.space import SearchSpace
+from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH
 from flashtune.problem import Problem
 
 Params = dict[str, Any]
 PartTimes = tuple[Params, dict[str, float]]  # (params, {launch: ms})
+# Backward variants that run as one launch (timed as a whole, polished field by field).
+ONE_LAUNCH_VARIANTS = frozenset({BWD_ONE_LAUNCH, BWD_HOPPER})
 
 
 def sig(params: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -96,7 +99,9 @@ def by_launch(seen: Seen) -> bool:
     if not parts:
         return False
     rec = seen.part_times.get(sig(seen.best_params))
-    return rec is None or all(p in rec[1] for p in parts)
+    if rec is None:  # not timed by launch (a seed polishing is planned around): its variant
+        return seen.best_params.get("variant") not in ONE_LAUNCH_VARIANTS
+    return all(p in rec[1] for p in parts)
 
 
 def polish_point(seen: Seen, skipped: set[tuple[Any, ...]]) -> Params | None:

@@ -365,6 +365,13 @@ def test_a_one_launch_incumbent_is_polished_field_by_field() -> None:
     assert point in BWD.neighbours(fused)  # one field moved from the incumbent
     moved = polish_point(two, set())
     assert moved is not None and moved["variant"] == default["variant"]
+    # Before anything is timed (the points compiled ahead around a seed, under a time
+    # budget), the variant decides: a one-launch seed is still polished field by field,
+    # and a two-kernel one by launch.
+    seed_one, seed_two = (Seen(BWD, p, {}, {}, c, []) for c in (fused, default))
+    assert not by_launch(seed_one) and by_launch(seed_two)
+    first = polish_point(seed_one, set())
+    assert first is not None and first in BWD.neighbours(fused)
 
 
 def replace_problem(**kw: Any) -> Problem:
