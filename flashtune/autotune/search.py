@@ -527,9 +527,9 @@ class Search:
 
     def _centre(self) -> Params:
         """Where polishing goes on from: the incumbent; before the first measurement,
-        under a time budget, the first architecture-prior seed queued (else the first
-        seed, the default), the seed that the H200's backward searches most often kept.
-        Its neighbours then compile on the idle workers while the worker prepares the
+        under a time budget, the first architecture-prior seed queued (the long
+        searches' moves; :mod:`.priors`), else the first seed (the default). Its
+        neighbours then compile on the idle workers while the worker prepares the
         problem and the seeds are measured."""
         if self.best_params or self.s.trials is not None:
             return self.best_params
@@ -571,9 +571,7 @@ class Search:
         is done; else a polishing point compiled ahead and not measured (the incumbent's
         next ones first, then those left from an earlier incumbent, which the search
         moved away from on the first improving step). On the H200 a one-launch backward
-        compile kept the GPU idle 1-3 s per polishing step of a 12 s search, and the
-        short search of BENCHMARKS.md's miss (B16 H32 S1024 D64 causal) left the move its
-        60 s search won with built and unmeasured."""
+        compile kept the GPU idle 1-3 s per polishing step of a 12 s search."""
         for i, entry in enumerate(self.pending):
             if entry[2] is None or (entry[2].done() and not entry[2].cancelled()):
                 if i:
@@ -590,12 +588,15 @@ class Search:
             fut = self.compiles.get(key)
             if fut is None or not fut.done() or fut.cancelled() or key in self.done:
                 continue
-            with contextlib.suppress(Exception):
-                if fut.result()[1]:
-                    continue  # did not build: its measurement would only say so again
-                params = wanted.get(key) or dict(key)
-                if params not in queued and self.ask(params, "polish", front=True):
-                    return
+            try:
+                built = not fut.result()[1]
+            except Exception:  # a broken pool: the candidate's own measurement tells
+                continue
+            params = wanted.get(key) or dict(key)
+            # One that did not build is skipped: its measurement would only say so again.
+            if built and params not in queued:
+                self.ask(params, "polish", front=True)
+                return
 
     def _head_ready(self) -> bool:
         """Whether the next candidate in the queue can be measured without waiting for its
