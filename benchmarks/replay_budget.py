@@ -1,10 +1,10 @@
 """Replay a budget check's short backward searches on a simulated clock, on the configs
 and times its GPU searches measured.
 
-A budget check (``tune_autotuner.py budget``) keeps every trial of its 60 s searches: for
-each problem, a few hundred configs and their measured times. This script runs the real
-search (the tuner, Optuna, the polishing and the compiles ahead) against that table
-instead of a GPU, with compile and measurement costs from the H200 logs, so a change to
+A budget check (``tune_autotuner.py budget``) keeps every trial of its 12 s and 60 s
+searches: for each problem, a few hundred configs and their measured times. This script
+runs the real search (the tuner, Optuna, the polishing and the compiles ahead) against
+that table instead of a GPU, with compile and measurement costs from the H200 logs, so a change to
 the search can be tried on the problems it must win before device time is spent:
 
     python3 benchmarks/replay_budget.py benchmarks/data/budget_h200_s12.json
@@ -38,12 +38,14 @@ from flashtune.kernels import config as kconfig
 from flashtune.kernels.config import BWD_ONE_LAUNCH, BwdConfig
 from flashtune.problem import Problem
 
-# Seconds on the H200 (BENCHMARKS.md, issue 17): a one-launch backward compiles in about
-# 3.4 s, the other variants in about 1.5 s; a config whose kernels are on disk loads in
-# about 0.05 s; one measurement (gate, adaptive timing) takes about 0.05 s; the worker's
-# prepare of a backward about 3.5 s on the committed tree.
+# Seconds, from the H200 logs (BENCHMARKS.md, issue 17): a one-launch backward compiles
+# in about 3.4 s; the other variants are taken at 1.5 s (the sweep's backward compiles
+# had a median of 1.25 s); a measurement (gate, adaptive timing) took 0.03-0.1 s at the
+# shapes checked; the worker's prepare of a backward 2.8-4.3 s on the committed tree.
+# Each config compiles as a whole: the replay does not model a launch's kernel built
+# already for another config.
 COMPILE_S = {BWD_ONE_LAUNCH: 3.4}
-COMPILE_OTHER_S, LOAD_S, MEASURE_S, PREPARE_S = 1.5, 0.05, 0.05, 3.5
+COMPILE_OTHER_S, MEASURE_S, PREPARE_S = 1.5, 0.05, 3.5
 
 
 class Clock:
@@ -59,10 +61,10 @@ class Built(Future):  # type: ignore[type-arg]
         self.pool, self.seconds = pool, seconds
         self.submitted = pool.clock.now
         self.start: float | None = None  # fixed once the clock reaches it
+        self.worker = -1
 
     def ready_at(self) -> float:
         self.pool.schedule()
-        assert self.start is not None or not self.cancelled()
         return (self.start if self.start is not None else self.pool.planned[self]) \
             + self.seconds
 
@@ -99,22 +101,23 @@ class Pool:
         return fut
 
     def schedule(self) -> None:
-        """Plan the queue: jobs that started keep their start; the others start, in order,
-        when a worker is free (and those whose planned start has passed are started)."""
-        free = sorted(j.start + j.seconds for j in self.jobs if j.start is not None)
-        free = [0.0] * max(0, self.n - len(free)) + free[-self.n:] if len(free) < self.n \
-            else free
+        """Plan the queue: a started job keeps its worker and start; the others start, in
+        order, on the worker free first (and start for good once the clock passes)."""
+        free = [0.0] * self.n
+        for j in self.jobs:
+            if j.start is not None:
+                free[j.worker] = max(free[j.worker], j.start + j.seconds)
         self.planned.clear()
         for j in self.jobs:
             if j.start is not None or j.cancelled():
                 continue
-            free.sort()
-            start = max(j.submitted, free[0])
+            w = min(range(self.n), key=free.__getitem__)
+            start = max(j.submitted, free[w])
             if start <= self.clock.now:
-                j.start = start
+                j.start, j.worker = start, w
             else:
                 self.planned[j] = start
-            free[0] = start + j.seconds
+            free[w] = start + j.seconds
 
     def close(self) -> None:
         pass

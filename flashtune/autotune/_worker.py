@@ -30,8 +30,9 @@ def _warm_libraries(torch: Any) -> None:
     device thread and the lazily loaded kernels of the fp32 and low-precision reference
     (forward and gradients, at both common head dims). In the H200 budget check the first
     problem's gate case took 3.5 s with no warm-up, 2.3-2.6 s after a small matmul and
-    backward alone, and 0.1-1.6 s for the problems after it. Best effort: a failure here
-    shows again, and is recorded, at the first measurement."""
+    backward alone, and 0.2-0.5 s after this one (0.1-1.6 s for the later problems of a
+    process). Best effort: a failure here shows again, and is recorded, at the first
+    measurement."""
     try:
         from flashtune.kernels.reference import reference
 

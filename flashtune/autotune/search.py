@@ -349,8 +349,10 @@ class Search:
         """Have the worker make the problem's inputs, gate case and reference (and for the
         backward compile and run its forward) while the pool builds the first candidate:
         on the H200 these took 2-9 s of a 12 s backward search, on top of the compile,
-        before its first trial was timed. The gate's inputs come from the seed the first
-        measurement would have used. A failure here is left for that measurement."""
+        before its first trial was timed (2.8-4.3 s since the worker's warm-up loads the
+        reference's kernels and the timing inputs are drawn on the GPU). The gate's
+        inputs come from the seed the first measurement would have used. A failure here
+        is left for that measurement."""
         self.prepared = True
         t0 = time.perf_counter()
         reply = self._request("prepare", self.s.trial_timeout,

@@ -26,7 +26,7 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    - polishing, after the first 40% of a trial budget, or with only a time budget as
      soon as the warm-start seeds are measured. The next few polishing points compile
      ahead of their turn on the pool's idle workers, re-planned before every
-     measurement. While the next candidate still compiles, the worker measures one
+     measurement. While the next candidate still compiles, the search measures one
      that is built (a queued one, else a polishing point compiled ahead), so the GPU
      does not wait on the compiler. The worker makes the problem's gate case and
      reference while the first candidate compiles.
