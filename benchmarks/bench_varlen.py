@@ -4,14 +4,16 @@ A packed batch of 64 sequences, lengths drawn log-uniformly from 128 to 8192 and
 about 64k tokens, Hq=32, Hkv=8, D=128, causal, bf16. Times, in one process, the training
 forward and the backward ((fwd+bwd) - fwd) of:
 
-- ``varlen``: ``flashtune.flash_attn_varlen_func`` (the dispatcher's config);
+- ``varlen``: ``flashtune.flash_attn_varlen_func`` (the dispatcher's config; on sm90
+  untuned, the Hopper forward); ``varlen_portable``: the same on the portable kernels'
+  default configs;
 - ``flex``: compiled FlexAttention with a document mask (causal within each sequence);
 - ``sdpa_per_seq``: ``F.scaled_dot_product_attention`` (torch's default backend) run
   sequence by sequence on per-sequence tensors;
 - ``dense``: ``flashtune.flash_attention`` on a dense batch of the same total tokens, each
   row as long as the FLOP-weighted mean length (sum L^2 / sum L), so the FLOPs match too;
-  ``dense_portable``: the same on the portable kernels' default configs (packed batches run
-  on the portable kernels only, so this is the like-for-like kernel comparison).
+  ``dense_portable``: the same on the portable kernels' default configs (the like-for-like
+  comparison for ``varlen_portable``).
 
 TFLOP/s count each sequence's own causal FLOPs (4·Hq·L²·D / 2 forward, 2.5x backward).
 Targets: varlen >= 1.25x flex, varlen >= 0.9x dense. Prints a short table; writes JSON
@@ -119,6 +121,17 @@ def main() -> None:
         return out
 
     runs["varlen"] = (varlen, do, flops)
+    pv = Problem(len(lens), hq, hk, max(lens), max(lens), d, "bf16", True, total_q=total,
+                 total_k=total)
+    portable_v = (default_portable_fwd(pv), default_bwd(pv))
+
+    def varlen_portable() -> torch.Tensor:
+        out = flashtune.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                               causal=True, config=portable_v)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    runs["varlen_portable"] = (varlen_portable, do, flops)
 
     # SDPA sequence by sequence, on per-sequence (1, H, L, D) tensors (no copies timed).
     bounds = cu.tolist()
@@ -166,8 +179,7 @@ def main() -> None:
         return out
 
     runs["dense"] = (dense, do_d, flops_d)
-    # The same dense batch on the portable kernels: packed batches run on them only (the
-    # Hopper forward does not take them), so this is the like-for-like kernel comparison.
+    # The same dense batch on the portable kernels, against varlen_portable.
     pd = Problem(b_dense, hq, hk, s_dense, s_dense, d, "bf16", True)
     portable = (default_portable_fwd(pd), default_bwd(pd))
 
@@ -203,8 +215,10 @@ def main() -> None:
         return ra["tflops"] / rb["tflops"] if ra and rb else None
 
     ratios = {f"varlen/{b} {part}": ratio("varlen", b, part)
-              for b in ("flex", "sdpa_per_seq", "dense", "dense_portable")
+              for b in ("flex", "sdpa_per_seq", "dense", "dense_portable", "varlen_portable")
               for part in ("fwd", "bwd")}
+    ratios.update({f"varlen_portable/dense_portable {part}":
+                   ratio("varlen_portable", "dense_portable", part) for part in ("fwd", "bwd")})
     doc_out = {"env": environment(), "command": " ".join(sys.argv),
                "shape": {"sequences": len(lens), "tokens": total, "heads_q": hq,
                          "heads_kv": hk, "head_dim": d, "causal": True, "dtype": "bf16",

@@ -271,16 +271,15 @@ class FwdLaunch:
         self.hopper: Any = None
         self.descriptors: tuple[Any, Any] | None = None
         if config.variant == HOPPER:
-            reason = "packed (varlen) batches" if packed is not None else ""
-            if not reason:
-                from flashtune.kernels import attn_fwd_hopper as hopper
+            from flashtune.kernels import attn_fwd_hopper as hopper
 
-                reason = hopper.tma_describable(q, k, v)
-                if not reason:
-                    self.hopper = hopper.HopperLaunch(
-                        q, k, v, mask=mask_params(causal, window),
-                        scales=score_scales(sm_scale, softcap), softcap=softcap, config=config)
-                    return
+            reason = hopper.tma_describable(q, k, v)
+            if not reason:
+                self.hopper = hopper.HopperLaunch(
+                    q, k, v, mask=mask_params(causal, window),
+                    scales=score_scales(sm_scale, softcap), softcap=softcap, config=config,
+                    packed=packed)
+                return
             # What the Hopper kernel cannot take, the portable kernel's default serves.
             warn_portable_once("forward", reason)
             config = self.config = default_portable_fwd(
@@ -315,7 +314,7 @@ class FwdLaunch:
                  cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.hopper is not None:
-            return self.hopper(q, k, v)
+            return self.hopper(q, k, v, cu_q, cu_k)
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         if self.descriptors is not None:

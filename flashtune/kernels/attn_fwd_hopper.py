@@ -18,6 +18,13 @@ rows past a sequence's end come back as zeros and any 16-byte-aligned strides wo
 the natural-log LSE are written with plain stores; rows that see no key get O = 0 and
 LSE = +inf, as in the portable kernel.
 
+Packed (varlen) batches use the same program: q (total_q, Hq, D) is described as the
+rank-4 view (1, Hq, total_q, D), and each program reads its sequence's first row and
+length from the prefix sums on the device. A tile's rows past its sequence's end are
+loaded from the next sequence and never stored; keys past the end are masked on the edge
+tile, as Sk's ragged end is. Query tiles that lie wholly past their sequence's end are
+skipped by the producer and the consumers alike.
+
 This module imports Gluon's Hopper API at import time: import it only where
 ``flashtune.kernels.config.hopper_support()`` says the variant can run.
 """
@@ -72,16 +79,37 @@ def _tile_coords(tile, n_m, bh_total, ORDER: gl.constexpr):
 
 
 @gluon.jit
+def _sequence(CU_Q, CU_K, b, seq_q, seq_k, IS_VARLEN: gl.constexpr):
+    """(first query row, first key row, query length, key length) of batch entry ``b``:
+    dense, (0, 0, Sq, Sk); packed, read from the prefix sums."""
+    if IS_VARLEN:
+        q_off = gl.load(CU_Q + b)
+        k_off = gl.load(CU_K + b)
+        len_q = gl.load(CU_Q + b + 1) - q_off
+        len_k = gl.load(CU_K + b + 1) - k_off
+        return q_off, k_off, len_q, len_k
+    else:
+        return 0, 0, seq_q, seq_k
+
+
+@gluon.jit
+def _load_tile(desc, smem, full, empty, phase, b, h, row):
+    """Wait until ``smem`` is free (``empty`` at ``phase``), then load the descriptor's box
+    at (b, h, row, 0) into it with TMA, completing on ``full``."""
+    mbarrier.wait(empty, phase)
+    mbarrier.expect(full, desc.block_type.nbytes)
+    dst = smem._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    tma.async_copy_global_to_shared(desc, [b, h, row, 0], full, dst)
+
+
+@gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
-              q_full, q_empty, k_full, k_empty, v_full, v_empty,
-              n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
+              q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
+              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
               GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, ORDER: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
-    D: gl.constexpr = desc_q.block_type.shape[3]
-    q_layout: gl.constexpr = desc_q.layout
-    kv_layout: gl.constexpr = desc_k.layout
     kv_count = 0
     t_local = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -89,28 +117,27 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         b = bh // heads_q
         h = bh % heads_q
         hk = h // GQA
+        q_off, k_off, len_q, len_k = _sequence(CU_Q, CU_K, b, seq_q, seq_k, IS_VARLEN)
+        if IS_VARLEN:
+            db = 0  # the descriptors are (1, H, total, D) views
+        else:
+            db = b
         q_start = m_blk * BLOCK_M
-        lo, full_lo, full_hi, hi = _kv_range(q_start, seq_k, offset, left, right, BLOCK_M,
-                                             BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
-            mbarrier.expect(q_full.index(c), desc_q.block_type.nbytes)
-            dst = q_smem.index(c)._reinterpret(desc_q.dtype, [1, 1, 64, D], q_layout)
-            tma.async_copy_global_to_shared(desc_q, [b, h, q_start + c * 64, 0], q_full.index(c),
-                                            dst)
-        for start in range(lo, hi, BLOCK_N):
-            buf = kv_count % STAGES
-            phase = ((kv_count // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(buf), phase)
-            mbarrier.expect(k_full.index(buf), desc_k.block_type.nbytes)
-            k_dst = k_smem.index(buf)._reinterpret(desc_k.dtype, [1, 1, BLOCK_N, D], kv_layout)
-            tma.async_copy_global_to_shared(desc_k, [b, hk, start, 0], k_full.index(buf), k_dst)
-            mbarrier.wait(v_empty.index(buf), phase)
-            mbarrier.expect(v_full.index(buf), desc_v.block_type.nbytes)
-            v_dst = v_smem.index(buf)._reinterpret(desc_v.dtype, [1, 1, BLOCK_N, D], kv_layout)
-            tma.async_copy_global_to_shared(desc_v, [b, hk, start, 0], v_full.index(buf), v_dst)
-            kv_count += 1
-        t_local += 1
+        if q_start < len_q:
+            lo, full_lo, full_hi, hi = _kv_range(q_start, len_k, len_k - len_q, left, right,
+                                                 BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            for c in gl.static_range(CONSUMERS):
+                _load_tile(desc_q, q_smem.index(c), q_full.index(c), q_empty.index(c),
+                           (t_local & 1) ^ 1, db, h, q_off + q_start + c * 64)
+            for start in range(lo, hi, BLOCK_N):
+                buf = kv_count % STAGES
+                phase = ((kv_count // STAGES) & 1) ^ 1
+                _load_tile(desc_k, k_smem.index(buf), k_full.index(buf), k_empty.index(buf),
+                           phase, db, hk, k_off + start)
+                _load_tile(desc_v, v_smem.index(buf), v_full.index(buf), v_empty.index(buf),
+                           phase, db, hk, k_off + start)
+                kv_count += 1
+            t_local += 1
 
 
 @gluon.jit
@@ -151,12 +178,13 @@ def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, s
 @gluon.jit
 def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
-              O, LSE, stride_ob, stride_oh, stride_om,
-              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+              O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
               qk_scale, cap_scale, cap_log2,
               CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -173,113 +201,130 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
     turns = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         bh, m_blk = _tile_coords(tile, n_m, bh_total, ORDER)
+        q_off, k_off, len_q, len_k = _sequence(CU_Q, CU_K, bh // heads_q, seq_q, seq_k,
+                                               IS_VARLEN)
         q_start = m_blk * BLOCK_M
-        lo, full_lo, full_hi, hi = _kv_range(q_start, seq_k, offset, left, right, BLOCK_M,
-                                             BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        n_iters = (hi - lo) // BLOCK_N
-        row0 = q_start + cid * 64
-        rows = row0 + gl.arange(0, 64, layout=row_s)
-        m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([64], gl.float32, layout=row_s)
-        acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-        mbarrier.wait(q_full.index(cid), t_local & 1)
-        q = q_smem.index(cid)
-        if n_iters > 0:
-            # Prologue: S of the first key tile, its softmax.
-            buf = kv_count % STAGES
-            phase = (kv_count // STAGES) & 1
-            mbarrier.wait(k_full.index(buf), phase)
-            if PINGPONG:
-                mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
-            s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - cid), count=1)
-                turns += 1
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(buf), count=1)
-            p, alpha, m_i, l_i = _softmax_step(
-                s, m_i, l_i, qk_scale, cap_scale, cap_log2, (lo < full_lo) | (lo >= full_hi),
-                rows, lo, seq_k, offset, left, right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N,
-                col_s)
-            # Steady state: S(j) in flight while PV(j-1) runs and softmax(j) follows.
-            for j in range(1, n_iters):
-                start = lo + j * BLOCK_N
-                cnt = kv_count + j
-                buf = cnt % STAGES
-                phase = (cnt // STAGES) & 1
-                pbuf = (cnt - 1) % STAGES
-                pphase = ((cnt - 1) // STAGES) & 1
+        if q_start < len_q:
+            offset = len_k - len_q  # bottom-right alignment of the causal / window diagonal
+            lo, full_lo, full_hi, hi = _kv_range(q_start, len_k, offset, left, right,
+                                                 BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            n_iters = (hi - lo) // BLOCK_N
+            row0 = q_start + cid * 64
+            rows = row0 + gl.arange(0, 64, layout=row_s)
+            m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([64], gl.float32, layout=row_s)
+            acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+            mbarrier.wait(q_full.index(cid), t_local & 1)
+            q = q_smem.index(cid)
+            if n_iters > 0:
+                # Prologue: S of the first key tile, its softmax.
+                buf = kv_count % STAGES
+                phase = (kv_count // STAGES) & 1
                 mbarrier.wait(k_full.index(buf), phase)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(v_full.index(pbuf), pphase)
                 if PINGPONG:
                     mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
                 s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
                                   is_async=True)
-                acc = warpgroup_mma(p16, v_smem.index(pbuf), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - cid), count=1)
                     turns += 1
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 mbarrier.arrive(k_empty.index(buf), count=1)
-                p, alpha_j, m_i, l_i = _softmax_step(
-                    s, m_i, l_i, qk_scale, cap_scale, cap_log2,
-                    (start < full_lo) | (start >= full_hi), rows, start, seq_k, offset, left,
-                    right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N, col_s)
+                p, alpha, m_i, l_i = _softmax_step(
+                    s, m_i, l_i, qk_scale, cap_scale, cap_log2, (lo < full_lo) | (lo >= full_hi),
+                    rows, lo, len_k, offset, left, right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N,
+                    col_s)
+                # Steady state: S(j) in flight while PV(j-1) runs and softmax(j) follows.
+                for j in range(1, n_iters):
+                    start = lo + j * BLOCK_N
+                    cnt = kv_count + j
+                    buf = cnt % STAGES
+                    phase = (cnt // STAGES) & 1
+                    pbuf = (cnt - 1) % STAGES
+                    pphase = ((cnt - 1) // STAGES) & 1
+                    mbarrier.wait(k_full.index(buf), phase)
+                    p16 = gl.convert_layout(p.to(dtype), p_layout)
+                    mbarrier.wait(v_full.index(pbuf), pphase)
+                    if PINGPONG:
+                        mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+                    s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                    acc = warpgroup_mma(p16, v_smem.index(pbuf), acc, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - cid), count=1)
+                        turns += 1
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+                    mbarrier.arrive(k_empty.index(buf), count=1)
+                    p, alpha_j, m_i, l_i = _softmax_step(
+                        s, m_i, l_i, qk_scale, cap_scale, cap_log2,
+                        (start < full_lo) | (start >= full_hi), rows, start, len_k, offset, left,
+                        right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N, col_s)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(pbuf), count=1)
+                    acc = acc * gl.convert_layout(alpha_j, row_o)[:, None]
+                # Epilogue: PV of the last key tile.
+                cnt = kv_count + n_iters - 1
+                lbuf = cnt % STAGES
+                mbarrier.wait(v_full.index(lbuf), (cnt // STAGES) & 1)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+                acc = warpgroup_mma(p16, v_smem.index(lbuf), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - cid), count=1)
+                    turns += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(pbuf), count=1)
-                acc = acc * gl.convert_layout(alpha_j, row_o)[:, None]
-            # Epilogue: PV of the last key tile.
-            cnt = kv_count + n_iters - 1
-            lbuf = cnt % STAGES
-            mbarrier.wait(v_full.index(lbuf), (cnt // STAGES) & 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            if PINGPONG:
-                mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
-            acc = warpgroup_mma(p16, v_smem.index(lbuf), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - cid), count=1)
-                turns += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(lbuf), count=1)
-        # Every product that read Q has completed: the producer may load the next tile's Q.
-        mbarrier.arrive(q_empty.index(cid), count=1)
-        kv_count += n_iters
-        t_local += 1
+                mbarrier.arrive(v_empty.index(lbuf), count=1)
+            # Every product that read Q has completed: the producer may load the next tile's Q.
+            mbarrier.arrive(q_empty.index(cid), count=1)
+            kv_count += n_iters
+            t_local += 1
 
-        # Rows that saw no key: O = 0 and LSE = +inf (the backward's P = exp(s - lse) = 0).
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
-        b = (bh // heads_q).to(gl.int64)
-        h = (bh % heads_q).to(gl.int64)
-        rows_o = row0 + gl.arange(0, 64, layout=row_o)
-        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = O + b * stride_ob + h * stride_oh + rows_o.to(gl.int64)[:, None] * stride_om \
-            + cols_o[None, :]
-        gl.store(o_ptrs, out.to(dtype), mask=(rows_o < seq_q)[:, None])
-        gl.store(LSE + bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+            # Rows that saw no key: O = 0 and LSE = +inf (the backward's P = exp(s - lse) = 0).
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+            lse = gl.where(empty, float("inf"),
+                           (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
+            b = (bh // heads_q).to(gl.int64)
+            h = (bh % heads_q).to(gl.int64)
+            rows_o = row0 + gl.arange(0, 64, layout=row_o)
+            cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = O + b * stride_ob + h * stride_oh \
+                + (q_off + rows_o).to(gl.int64)[:, None] * stride_om + cols_o[None, :]
+            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < len_q)[:, None])
+            if IS_VARLEN:  # (Hq, total_q)
+                lse_ptrs = LSE + h * seq_q + q_off + rows
+            else:  # (B, Hq, Sq)
+                lse_ptrs = LSE + bh.to(gl.int64) * seq_q + rows
+            gl.store(lse_ptrs, lse, mask=rows < len_q)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    desc_q, desc_k, desc_v, O, LSE,
+    desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K,
     stride_ob, stride_oh, stride_om,
     heads_q, seq_q, seq_k, left, right, n_m, n_tiles,
     qk_scale, cap_scale, cap_log2,
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(not PINGPONG or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
-    offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
     bh_total = n_tiles // n_m
+    if IS_VARLEN:
+        # One tile per program (not persistent): a tile past its sequence's end exits here,
+        # before the barriers and partitions are set up. The grid is sized by the longest
+        # sequence, so most of a mixed batch's programs are such tiles.
+        if gl.num_programs(0) == n_tiles:
+            bh, m_blk = _tile_coords(gl.program_id(0), n_m, bh_total, ORDER)
+            b = bh // heads_q
+            if m_blk * (64 * CONSUMERS) >= gl.load(CU_Q + b + 1) - gl.load(CU_Q + b):
+                return
     # 2-D shared tiles for the tensor cores; TMA writes them through rank-4 views.
     q_layout: gl.constexpr = gl.NVMMASharedLayout(desc_q.layout.swizzle_byte_width, 16)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout(desc_k.layout.swizzle_byte_width, 16)
@@ -307,31 +352,33 @@ def _attn_fwd_hopper_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
-                          q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                          n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                          q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
+                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                          IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
                          qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
                          qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
-                          q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                          n_tiles, n_m, bh_total, heads_q, seq_k, offset, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                          q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
+                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                          IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, offset, left, right,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
                          qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -369,56 +416,88 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the rank-4 (1, H, total, D) view the descriptors
+    take (same data, any 16-byte-aligned strides)."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
 class HopperLaunch:
     """The Gluon forward for one call signature, prepared once: the grid, the scalars and
     constexprs, descriptor templates and the bound kernel (``flashtune.kernels._bound``, the
     mechanism the portable kernels use). ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT)
     and ``scales`` (qk_scale, cap_scale, cap_log2), as the portable launcher computes them.
-    The caller has checked feasibility and that TMA can describe q, k, v; calling it with
-    tensors of the same signature and 16-byte aligned data allocates O and the LSE and
-    launches."""
+    With ``packed`` (the prefix sums and the longest query and key sequence, as
+    ``attn_fwd.Packed`` holds them), q is (total_q, Hq, D), k and v (total_k, Hkv, D), and
+    the LSE (Hq, total_q). The caller has checked feasibility and that TMA can describe
+    q, k, v; calling it with tensors of the same signature and 16-byte aligned data
+    allocates O and the LSE and launches."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
-                 softcap: float, config: FwdConfig) -> None:
-        b, hq, sq, d = q.shape
-        hk, sk = k.shape[1], k.shape[2]
-        self.lse_shape = (b, hq, sq)
+                 softcap: float, config: FwdConfig,
+                 packed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> None:
+        c = config
         o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
+        if packed is None:
+            b, hq, sq, _ = q.shape
+            hk, sk = k.shape[1], k.shape[2]
+            rows = sq
+            self.lse_shape: tuple[int, ...] = (b, hq, sq)
+            o_strides = (o.stride(0), o.stride(1), o.stride(2))
+            views = (q, k, v)
+        else:
+            cu_q, _, max_q, _ = packed
+            b, hq, hk = cu_q.shape[0] - 1, q.shape[1], k.shape[1]
+            sq, sk = q.shape[0], k.shape[0]
+            rows = max(int(max_q), 1)
+            self.lse_shape = (hq, sq)
+            o_strides = (0, o.stride(1), o.stride(0))
+            views = tuple(_packed_view(t) for t in (q, k, v))
         left, right, mask_left, mask_right = mask
         qk_scale, cap_scale, cap_log2 = scales
-        c = config
         consumers = c.block_m // ROWS_PER_WG
-        n_m = -(-sq // c.block_m)
+        n_m = -(-rows // c.block_m)
         n_tiles = n_m * b * hq
         grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
-        self.templates = (template(_descriptor(q, ROWS_PER_WG)),
-                          template(_descriptor(k, c.block_n)), template(_descriptor(v, c.block_n)))
-        # Slots 0-4 (the q, k, v descriptors, o, lse) change from call to call.
-        args = [None] * 5 + [o.stride(0), o.stride(1), o.stride(2),
-                             hq, sq, sk, left, right, n_m, n_tiles,
+        self.templates = (template(_descriptor(views[0], ROWS_PER_WG)),
+                          template(_descriptor(views[1], c.block_n)),
+                          template(_descriptor(views[2], c.block_n)))
+        # Slots 0-6 (the q, k, v descriptors, o, lse, the prefix sums) change from call to
+        # call.
+        args = [None] * 7 + [*o_strides, hq, sq, sk, left, right, n_m, n_tiles,
                              qk_scale, cap_scale, cap_log2]
         kwargs = dict(
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
             ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
             MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
-            num_warps=4)
-        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 5)
+            IS_VARLEN=packed is not None, num_warps=4)
+        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 7)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         tq, tk, tv = self.templates
+        if cu_q is None:
+            cu_q = cu_k = lse  # dense: unused pointers
+        # A descriptor template reads only its tensor's data pointer, which a packed
+        # tensor shares with its rank-4 view.
         self.launch(descriptor_like(tq, q), descriptor_like(tk, k), descriptor_like(tv, v),
-                    o, lse)
+                    o, lse, cu_q, cu_k)
         return o, lse
 
 
 def attn_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
                     mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
-                    softcap: float, config: FwdConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float, config: FwdConfig,
+                    packed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Gluon forward once (see :class:`HopperLaunch`; ``sm_scale`` is folded
     into ``scales``)."""
-    return HopperLaunch(q, k, v, mask=mask, scales=scales, softcap=softcap, config=config)(
-        q, k, v)
+    launch = HopperLaunch(q, k, v, mask=mask, scales=scales, softcap=softcap, config=config,
+                          packed=packed)
+    if packed is None:
+        return launch(q, k, v)
+    return launch(q, k, v, packed[0], packed[1])

@@ -325,9 +325,6 @@ def smem_fwd_hopper(c: FwdConfig, d: int) -> int:
 
 
 def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
-    if p.packed:
-        raise InfeasibleConfigError("fwd hopper: packed (varlen) batches run on the portable "
-                                    "kernel only")
     if p.head_dim not in (64, 128):
         raise InfeasibleConfigError(
             f"fwd hopper: head_dim {p.head_dim} is not supported (allowed: 64, 128)")
@@ -522,7 +519,7 @@ def default_fwd(p: Problem) -> FwdConfig:
     # (H200, BENCHMARKS.md: S <= 2048, 0.83-0.98x), so they stay portable.
     short_causal_64 = p.causal and p.head_dim == 64 and p.seqlen_q <= 2048
     if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not short_causal_64 \
-            and not p.packed and not host_bound(p) and not hopper_support():
+            and not host_bound(p) and not hopper_support():
         # Measured on the H200 (BENCHMARKS.md): a persistent grid helps without a mask; with
         # the causal diagonal, one tile per program balances better.
         if p.causal or p.window != (-1, -1):

@@ -101,6 +101,62 @@ def _bit_identical(seed: int) -> list[str]:
     return failures
 
 
+# Packed batches: (Hq, Hkv, D, causal, window, softcap, same lengths for q and k)
+VARLEN_CASES = [
+    (4, 4, 128, True, (-1, -1), 0.0, True),
+    (8, 2, 128, True, (-1, -1), 0.0, False),     # GQA, Sq != Sk per sequence
+    (4, 1, 64, False, (-1, -1), 0.0, False),     # MQA
+    (4, 2, 128, False, (100, 20), 0.0, True),    # window
+    (2, 2, 64, True, (50, -1), 0.0, True),       # causal + window
+    (4, 2, 128, True, (-1, -1), 30.0, False),    # softcap
+]
+
+
+def _varlen(seed: int) -> list[str]:
+    """Packed batches through the Hopper forward (sequences of length 0 and 1 among them),
+    three configs each, the portable backward on its O and LSE; then bit-identical repeats."""
+    import dataclasses
+
+    import torch
+
+    from flashtune.kernels.attn_fwd import Packed, attn_fwd
+    from flashtune.kernels.config import HOPPER, default_fwd
+    from flashtune.problem import Problem
+
+    from .test_varlen import check_varlen, cu_seqlens, make_packed, random_lengths
+
+    rng = random.Random(seed)
+    failures = []
+    for hq, hk, d, causal, win, cap, same in VARLEN_CASES:
+        lens_q = random_lengths(rng, 7, 1, 700)
+        lens_k = list(lens_q) if same else random_lengths(rng, 7, 1, 700)
+        p = Problem(7, hq, hk, max(lens_q), max(lens_k), d, "bf16", causal, win, cap,
+                    total_q=sum(lens_q), total_k=sum(lens_k))
+        dense = dataclasses.replace(p, total_q=0, total_k=0)
+        if default_fwd(dense).variant == HOPPER and default_fwd(p) != default_fwd(dense):
+            failures.append(f"{p}: the default forward of a packed batch is not the Hopper one")
+        for cfg in _hopper_configs(p, rng, 3):
+            try:
+                check_varlen(lens_q, lens_k, hq, hk, d, "bf16", causal, win, cap, "cuda", seed,
+                             fwd=cfg)
+            except AssertionError as e:
+                failures.append(f"varlen {p} {cfg}: {e}")
+    lens = random_lengths(rng, 9, 1, 2000)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, _ = make_packed(lens, lens, 8, 2, 128, "bf16", "cuda", gen)
+    packed = Packed(cu_seqlens(lens, "cuda"), cu_seqlens(lens, "cuda"), max(lens), max(lens))
+    p = Problem(9, 8, 2, max(lens), max(lens), 128, "bf16", True, total_q=sum(lens),
+                total_k=sum(lens))
+    for cfg in _hopper_configs(p, rng, 3):
+        kw = dict(causal=True, sm_scale=0.1, window=(-1, -1), softcap=0.0, config=cfg,
+                  packed=packed)
+        o1, l1 = attn_fwd(q, k, v, **kw)
+        o2, l2 = attn_fwd(q, k, v, **kw)
+        if not (torch.equal(o1, o2) and torch.equal(l1, l2)):
+            failures.append(f"varlen {p} {cfg}: repeated forwards differ")
+    return failures
+
+
 def _watched(name: str, seed: int) -> list[str]:
     """Run ``name(seed)`` in a child process; fail the test if it hangs."""
     from .helpers import run_watched
@@ -118,7 +174,7 @@ def needs_hopper() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical"])
+@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical", "_varlen"])
 def test_hopper_forward(group: str, seed: int, needs_hopper: None) -> None:
     failures = _watched(group, seed)
     assert not failures, "\n".join(failures)

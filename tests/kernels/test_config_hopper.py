@@ -48,7 +48,6 @@ def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
 
 @pytest.mark.parametrize("change, problem_change, words", [
     ({}, {"head_dim": 96}, "head_dim 96"),
-    ({}, {"total_q": 8000, "total_k": 8000}, "packed"),
     ({}, {"head_dim": 256}, "head_dim 256"),
     ({"block_m": 256}, {}, "block_m=256"),
     ({"block_n": 32}, {}, "block_n=32"),
@@ -64,6 +63,15 @@ def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_
                                          words: str) -> None:
     with pytest.raises(InfeasibleConfigError, match=words):
         check_fwd(dataclasses.replace(HOP, **change), dataclasses.replace(P128, **problem_change))
+
+
+def test_packed_batches_take_the_hopper_forward(on_hopper: None) -> None:
+    """The Gluon forward reads each sequence's rows from the prefix sums: a packed batch
+    is feasible, and its default is the Hopper kernel as a dense batch's is."""
+    packed = dataclasses.replace(P128, total_q=8000, total_k=8000)
+    check_fwd(HOP, packed)
+    assert default_fwd(packed).variant == HOPPER
+    assert default_fwd(packed) == default_fwd(P128)
 
 
 @pytest.mark.parametrize("field, value", [("persistent", 1), ("tile_order", 2),
