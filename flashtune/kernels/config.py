@@ -515,13 +515,18 @@ def default_fwd(p: Problem) -> FwdConfig:
     """Heuristic forward config, always feasible: the Hopper kernel where it can run and was
     measured faster (1.14x the portable default, geomean over the standard matrix on the
     H200), else the portable kernel with FA2-on-Hopper rules of thumb."""
-    # Short causal rows at D=64 are the one measured case where the portable kernel wins
-    # (H200, BENCHMARKS.md: S <= 2048, 0.83-0.98x), so they stay portable.
-    short_causal_64 = p.causal and p.head_dim == 64 and p.seqlen_q <= 2048
-    if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not short_causal_64 \
-            and not host_bound(p) and not hopper_support():
-        # Measured on the H200 (BENCHMARKS.md): a persistent grid helps without a mask; with
-        # the causal diagonal, one tile per program balances better.
+    if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not host_bound(p) \
+            and not hopper_support():
+        # Measured on the H200 (BENCHMARKS.md, issue 12, benchmarks/fwd_default_scan.py):
+        # - short causal rows (S <= 2048 at D=64, S <= 512 at D=128): a persistent grid
+        #   walking the heaviest tiles of every head first, 1.04-1.10x one tile per program
+        #   and, at D=64, 1.04-1.06x the portable kernel, which served them before;
+        # - other causal or windowed rows: one tile per program balances the diagonal
+        #   better;
+        # - no mask: a persistent grid in query order, consumers taking turns.
+        if p.causal and p.seqlen_q <= (2048 if p.head_dim == 64 else 512):
+            return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2,
+                             persistent=1, tile_order=2)
         if p.causal or p.window != (-1, -1):
             return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)
         return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2, persistent=1,
