@@ -519,7 +519,7 @@ def default_fwd(p: Problem) -> FwdConfig:
             and not hopper_support():
         # Measured on the H200 (BENCHMARKS.md, issue 12, benchmarks/fwd_default_scan.py):
         # - short causal rows (S <= 2048 at D=64, S <= 512 at D=128): a persistent grid
-        #   walking the heaviest tiles of every head first, 1.04-1.10x one tile per program
+        #   walking the heaviest tiles of every head first, 1.08-1.26x one tile per program
         #   and, at D=64, 1.04-1.06x the portable kernel, which served them before;
         # - other causal or windowed rows: one tile per program balances the diagonal
         #   better;
