@@ -3,9 +3,10 @@ times the current one.
 
 Each pool process patches the kernels' ``JITFunction.run`` to ``warmup=True`` (compile
 only, launch nothing), then calls the real launchers with tensors of the problem's
-shapes and strides (batch 1: the batch count changes the grid, not the binary). The
-binaries land in Triton's on-disk cache (``TRITON_CACHE_DIR``), which the timing
-worker shares, so its first launch loads instead of compiling. Calling the launchers
+shapes and strides (few rows: :func:`compile_inputs` keeps every int argument in its
+specialization class, so the binary is the one the worker runs). The binaries land in
+Triton's on-disk cache (``TRITON_CACHE_DIR``), which the timing worker shares, so its
+first launch loads instead of compiling. Calling the launchers
 rather than re-listing kernel arguments keeps this file ignorant of their signatures.
 
 Under the interpreter there is nothing to compile; the tuner runs no pool.
@@ -17,7 +18,6 @@ import contextlib
 import multiprocessing
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, wait
-from dataclasses import replace
 from typing import Any
 
 _PATCHED = False
@@ -51,6 +51,46 @@ def _compile_only() -> None:
     _PATCHED = True
 
 
+def like_count(n: int) -> int:
+    """The smallest count that Triton specializes as it does ``n``, alone or multiplied by
+    other ints: the same residue mod 16 (divisible by 16 or not), and 1 only for 1."""
+    if n <= 16:
+        return n
+    r = n % 16
+    return 16 if r == 0 else 17 if r == 1 else r
+
+
+def compile_inputs(p: Any, device: str) -> tuple[Any, Any, Any, Any]:
+    """``(q, k, lse, packed)``: small tensors whose launches specialize as ``p``'s real ones.
+
+    The kernels take grid counts (tiles, batch x heads), packed totals and lengths as int
+    arguments, and Triton specializes an int by value (equal to 1; divisible by 16). A dense
+    batch is cut to :func:`like_count` of it; a packed one keeps its sequence count and
+    longest lengths over :func:`like_count` of its totals (the prefix sums' values are
+    never read by a compile). Anything else would build a binary the worker never runs."""
+    import torch
+
+    from flashtune._env import torch_dtype
+    from flashtune.kernels.attn_fwd import Packed
+
+    dt = torch_dtype(p.dtype)
+    if p.packed:
+        tq, tk = like_count(p.total_q), like_count(p.total_k)
+        cu_q, cu_k = (torch.zeros(p.batch + 1, dtype=torch.int32, device=device)
+                      for _ in range(2))
+        cu_q[-1], cu_k[-1] = tq, tk
+        packed = Packed(cu_q, cu_k, p.seqlen_q, p.seqlen_k)
+        q = torch.empty(tq, p.heads_q, p.head_dim, device=device, dtype=dt)
+        k = torch.empty(tk, p.heads_kv, p.head_dim, device=device, dtype=dt)
+        lse = torch.empty(p.heads_q, tq, device=device, dtype=torch.float32)
+        return q, k, lse, packed
+    b = like_count(p.batch)
+    q = torch.empty(b, p.heads_q, p.seqlen_q, p.head_dim, device=device, dtype=dt)
+    k = torch.empty(b, p.heads_kv, p.seqlen_k, p.head_dim, device=device, dtype=dt)
+    lse = torch.empty(b, p.heads_q, p.seqlen_q, device=device, dtype=torch.float32)
+    return q, k, lse, None
+
+
 def precompile(problem: dict[str, Any], direction: str,
                config: dict[str, Any]) -> tuple[float, str]:
     """Compile ``config``'s kernels for ``problem``; (seconds, "" or the compile error)."""
@@ -58,30 +98,14 @@ def precompile(problem: dict[str, Any], direction: str,
     try:
         import torch
 
-        from flashtune._env import torch_dtype
         from flashtune.kernels.attn_bwd import attn_bwd
-        from flashtune.kernels.attn_fwd import Packed, attn_fwd
+        from flashtune.kernels.attn_fwd import attn_fwd
         from flashtune.kernels.config import config_from_dict
         from flashtune.problem import Problem, default_scale
 
         _compile_only()
         p = Problem.from_dict(problem)
-        packed = None
-        if p.packed:  # one short sequence: the varlen kernels, compiled as cheaply
-            p = replace(p, batch=1, seqlen_q=1, seqlen_k=1, total_q=1, total_k=1)
-            one = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-            packed = Packed(one, one, 1, 1)
-            q = torch.empty(1, p.heads_q, p.head_dim, device="cuda", dtype=torch_dtype(p.dtype))
-            k = torch.empty(1, p.heads_kv, p.head_dim, device="cuda", dtype=q.dtype)
-            lse = torch.empty(p.heads_q, 1, device="cuda", dtype=torch.float32)
-        else:
-            p = replace(p, batch=1)
-            dt = torch_dtype(p.dtype)
-            q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda", dtype=dt)
-            k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, device="cuda",
-                            dtype=dt)
-            lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, device="cuda",
-                              dtype=torch.float32)
+        q, k, lse, packed = compile_inputs(p, "cuda")
         cfg: Any = config_from_dict(direction, config)
         v = torch.empty_like(k)
         kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
@@ -91,6 +115,8 @@ def precompile(problem: dict[str, Any], direction: str,
         else:
             attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, config=cfg,
                      deterministic=p.deterministic, **kw)
+        del q, k, v, lse, packed
+        torch.cuda.empty_cache()  # leave the timing worker the memory
     except Exception as e:  # the timing worker sees the same error and classifies it
         return time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:300]}"
     return time.perf_counter() - t0, ""

@@ -1,0 +1,141 @@
+"""The compile pool builds the binaries the timing worker runs.
+
+Triton specializes every int argument by value (equal to 1; divisible by 16), so a pool
+build from inputs whose grid counts, totals or lengths fall in another class compiles a
+binary the worker never loads, and the worker compiles again on the critical path. Each
+launch the pool's small inputs (``compile_inputs``) prepare must take every int argument
+in the class of the problem's real launch. Nothing is compiled here: the launches are
+prepared on the CPU and their arguments compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from flashtune.autotune._compile import compile_inputs, like_count
+from flashtune.kernels.attn_bwd import bwd_steps
+from flashtune.kernels.attn_fwd import FwdLaunch, Packed
+from flashtune.kernels.config import (
+    BWD_ONE_LAUNCH,
+    HOPPER,
+    FwdConfig,
+    default_bwd,
+    default_portable_fwd,
+)
+from flashtune.problem import Problem, default_scale
+
+LENGTHS = [100, 0, 1, 300, 598]  # 999 tokens: 7 mod 16
+PROBLEMS = [
+    Problem(18, 12, 12, 256, 256, 64, "bf16", True),     # 12 heads: grid counts not /16
+    Problem(3, 8, 2, 200, 333, 128, "fp16", False),
+    Problem(len(LENGTHS), 4, 2, max(LENGTHS), max(LENGTHS), 64, "bf16", True,
+            total_q=sum(LENGTHS), total_k=sum(LENGTHS)),
+]
+
+
+def _class(x: Any) -> Any:
+    """What Triton's specialization sees of an argument: an int's class, a tensor's dtype
+    and 16-byte alignment, a descriptor's shape and strides (ints) and box."""
+    if isinstance(x, bool) or not isinstance(x, (int, torch.Tensor)) and not hasattr(x, "base"):
+        return x
+    if isinstance(x, int):
+        return ("int", x == 1, x % 16 == 0)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, x.data_ptr() % 16 == 0)
+    return ("descriptor", [_class(n) for n in x.shape], [_class(n) for n in x.strides],
+            list(x.block_shape))
+
+
+def _real_inputs(p: Problem) -> tuple[Any, Any, Any, Any]:
+    dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+    if p.packed:
+        cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.empty(p.total_q, p.heads_q, p.head_dim, dtype=dt)
+        k = torch.empty(p.total_k, p.heads_kv, p.head_dim, dtype=dt)
+        return q, k, torch.empty(p.heads_q, p.total_q), Packed(cu, cu, p.seqlen_q, p.seqlen_k)
+    q = torch.empty(p.batch, p.heads_q, p.seqlen_q, p.head_dim, dtype=dt)
+    k = torch.empty(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, dtype=dt)
+    return q, k, torch.empty(p.batch, p.heads_q, p.seqlen_q), None
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the arguments'
+    classes instead of launching."""
+
+    def __init__(self, name: str, log: list[Any]) -> None:
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.log.append((self.name, [_class(x) for x in args],
+                             {k: _class(v) for k, v in kwargs.items()}))
+        return launch
+
+
+def _launch_classes(monkeypatch: pytest.MonkeyPatch, p: Problem, direction: str, cfg: Any,
+                    inputs: tuple[Any, Any, Any, Any]) -> list[Any]:
+    """The arguments' classes of every kernel launch the call makes, in order."""
+    from flashtune.kernels import attn_bwd, attn_fwd
+
+    modules = [attn_fwd, attn_bwd]
+    if cfg.variant == HOPPER and direction == "fwd":
+        from flashtune.kernels import attn_fwd_hopper
+
+        modules.append(attn_fwd_hopper)
+    seen: list[Any] = []
+    for mod in modules:
+        for name, obj in list(vars(mod).items()):
+            if name.startswith("_attn") and hasattr(obj, "__getitem__"):
+                monkeypatch.setattr(mod, name, _Recorder(name, seen))
+    q, k, lse, packed = inputs
+    v = torch.empty_like(k)
+    cu = () if packed is None else (packed.cu_q, packed.cu_k)
+    kw: dict[str, Any] = dict(causal=p.causal, sm_scale=default_scale(p.head_dim),
+                              window=p.window, softcap=p.softcap, config=cfg, packed=packed)
+    if direction == "fwd":
+        FwdLaunch(q, k, v, **kw)(q, k, v, *cu)
+    else:
+        _, steps = bwd_steps(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, **kw)
+        for _, step in steps:
+            step()
+    monkeypatch.undo()
+    assert seen
+    return seen
+
+
+def _configs(p: Problem) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = [
+        ("fwd", default_portable_fwd(p)), ("bwd", default_bwd(p)),
+        ("bwd", default_bwd(p, BWD_ONE_LAUNCH))]
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    out.append(("fwd", FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)))
+    return out
+
+
+@pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: f"b{p.batch}h{p.heads_q}"
+                         f"{'-packed' if p.packed else ''}")
+def test_pool_inputs_keep_every_int_argument_in_its_class(monkeypatch: pytest.MonkeyPatch,
+                                                          p: Problem) -> None:
+    for direction, cfg in _configs(p):
+        real = _launch_classes(monkeypatch, p, direction, cfg, _real_inputs(p))
+        pool = _launch_classes(monkeypatch, p, direction, cfg, compile_inputs(p, "cpu"))
+        assert pool == real, (direction, cfg)
+
+
+def test_pool_inputs_are_small() -> None:
+    p = PROBLEMS[2]
+    q, k, lse, packed = compile_inputs(p, "cpu")
+    assert q.shape[0] == like_count(p.total_q) == 7 and packed.batch == p.batch
+    assert (packed.max_q, packed.max_k) == (p.seqlen_q, p.seqlen_k)
+    assert compile_inputs(PROBLEMS[0], "cpu")[0].shape[0] == 2  # 18 sequences: 2 mod 16
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 18, 31, 32, 33, 48, 999, 65537])
+def test_like_count_keeps_the_class_of_every_multiple(n: int) -> None:
+    m = like_count(n)
+    assert 1 <= m <= min(n, 17) or (n == 1 and m == 1)
+    for factor in (1, 2, 3, 8, 12):
+        assert _class(m * factor) == _class(n * factor)
