@@ -140,3 +140,25 @@ def test_like_count_keeps_the_class_of_every_multiple(n: int) -> None:
     assert 1 <= m <= min(n, 17) or (n == 1 and m == 1)
     for factor in (1, 2, 3, 8, 12):
         assert _class(m * factor) == _class(n * factor)
+
+
+def test_the_gate_runs_the_binaries_that_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The correctness gate launches a reduced problem (``measure.gate_problem``): on every
+    dense preset problem its launches keep every argument's class, so the gate checks the
+    binary that is then timed (and needs no compile of its own)."""
+    from flashtune.autotune.measure import gate_problem
+    from flashtune.autotune.presets import preset
+
+    names = ("standard", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b", "gpt2")
+    problems = {p for name in names for p in preset(name) if not p.packed}
+    checked = 0
+    for p in sorted(problems, key=repr):
+        g = gate_problem(p)
+        if g == p:
+            continue
+        for direction, cfg in _configs(p):
+            real = _launch_classes(monkeypatch, p, direction, cfg, compile_inputs(p, "cpu"))
+            gate = _launch_classes(monkeypatch, g, direction, cfg, compile_inputs(g, "cpu"))
+            assert gate == real, (p, g, direction, cfg)
+        checked += 1
+    assert checked >= 20
