@@ -169,6 +169,11 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
                   for n in (2, 1))
         launches.append(HopperLaunch(qh, kh, kh, mask=(0, 0, False, False),
                                      scales=(0.125, 0.0, 0.0), softcap=0.0, config=h).launch)
+        cu = torch.tensor([0, 50, 128], dtype=torch.int32, device=device)
+        qp, kp = (torch.randn(128, n, 64, dtype=torch.bfloat16, device=device) for n in (2, 1))
+        launches.append(HopperLaunch(qp, kp, kp, mask=(0, 0, False, True),
+                                     scales=(0.125, 0.0, 0.0), softcap=0.0, config=h,
+                                     packed=(cu, cu, 78, 78)).launch)
     for launch in launches:
         tail = launch._tail()
         names = launch.kernel.arg_names
@@ -187,6 +192,36 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
     else:  # the first binds, the second runs through the compiled kernel
         assert _bound.counts["bind"] == before["bind"] + 1
         assert _bound.counts["bound"] == before["bound"] + 1
+
+
+def test_hopper_launch_reads_a_packed_batch_through_rank4_views(device) -> None:
+    """A packed (total, H, D) batch: descriptors over (1, H, total, D) views of the same
+    data, O addressed by row and head (no batch stride), the LSE (Hq, total_q), the grid
+    sized by the longest sequence; a dense batch keeps its own layout."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtune.kernels.attn_fwd_hopper import HopperLaunch
+
+    h = FwdConfig(variant=HOPPER, block_m=128, block_n=64, num_stages=2)
+    cu = torch.tensor([0, 50, 50, 300], dtype=torch.int32, device=device)
+    q = torch.randn(300, 4, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(300, 2, 64, dtype=torch.bfloat16, device=device)
+    launch = HopperLaunch(q, k, k, mask=(0, 0, False, True), scales=(0.125, 0.0, 0.0),
+                          softcap=0.0, config=h, packed=(cu, cu, 250, 250))
+    args, kw = launch.launch.args, launch.launch.kwargs
+    assert launch.lse_shape == (4, 300) and kw["IS_VARLEN"] and kw["GQA"] == 2
+    assert args[7:13] == [0, 64, 256, 4, 300, 300]  # O strides (batch, head, row), Hq, totals
+    n_m = args[15]
+    assert n_m == 2 and args[16] == n_m * 3 * 4 == launch.launch.grid[0]  # tiles: 250 rows
+    tq, tk, _ = launch.templates
+    assert (list(tq.shape), list(tq.strides)) == ([1, 4, 300, 64], [76800, 64, 256, 1])
+    assert (list(tk.shape), list(tk.block_shape)) == ([1, 2, 300, 64], [1, 1, 64, 64])
+
+    dense = HopperLaunch(q.view(3, 100, 4, 64).transpose(1, 2),
+                         k.view(3, 100, 2, 64).transpose(1, 2), k.view(3, 100, 2, 64)
+                         .transpose(1, 2), mask=(0, 0, False, True), scales=(0.125, 0.0, 0.0),
+                         softcap=0.0, config=h)
+    assert dense.lse_shape == (3, 4, 100) and not dense.launch.kwargs["IS_VARLEN"]
+    assert dense.launch.args[7:13] == [25600, 64, 256, 4, 100, 100]
 
 
 def _gpu_inputs(seed: int, s: int = 257, d: int = 64) -> list[torch.Tensor]:
