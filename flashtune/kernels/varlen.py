@@ -80,6 +80,9 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
             raise TypeError(f"{name} must be a 1-D torch.int32 tensor of prefix sums, got {what}")
         if t.shape[0] < 2:
             raise ValueError(f"{name} needs batch + 1 >= 2 entries, got {t.shape[0]}")
+        if t.stride(0) != 1:  # the kernels read entry i at the base pointer + i
+            raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}; "
+                             f"pass {name}.contiguous()")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -168,7 +171,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            | None = None,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 on packed sequences, flash-attn's layout: q (total_q, Hq, D), k and
-    v (total_k, Hkv, D); ``cu_seqlens_q`` / ``cu_seqlens_k`` are int32 prefix sums
+    v (total_k, Hkv, D); ``cu_seqlens_q`` / ``cu_seqlens_k`` are contiguous int32 prefix sums
     (batch + 1 entries, starting at 0), ``max_seqlen_*`` the longest sequence on each side.
 
     Each sequence attends only to itself. ``causal`` is bottom-right aligned per sequence
