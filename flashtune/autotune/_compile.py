@@ -6,8 +6,8 @@ only, launch nothing), then calls the real launchers with tensors of the problem
 shapes and strides (few rows: :func:`compile_inputs` keeps every int argument in its
 specialization class, so the binary is the one the worker runs). The binaries land in
 Triton's on-disk cache (``TRITON_CACHE_DIR``), which the timing worker shares, so its
-first launch loads instead of compiling. Calling the launchers
-rather than re-listing kernel arguments keeps this file ignorant of their signatures.
+first launch loads instead of compiling. Calling the launchers rather than re-listing
+kernel arguments keeps this file ignorant of their signatures.
 
 Under the interpreter there is nothing to compile; the tuner runs no pool.
 """

@@ -53,10 +53,9 @@ def gate_problem(p: Problem) -> Problem:
     packed problem keeps its sequences (the reference checks one at a time) and loses
     heads only. Heads are halved only while both counts keep the specialization class of
     ``p``'s (see :func:`_same_specialization`), so the gate runs the binaries the compile
-    pool built (``flashtune.autotune._compile.compile_inputs``; on every dense preset
-    problem the launches keep their arguments' classes, as tests/autotune/
-    test_compile_inputs.py checks for the pool); past that the reference runs in
-    slices."""
+    pool built (``flashtune.autotune._compile.compile_inputs``): on every dense preset
+    problem its launches keep their arguments' classes (tests/autotune/
+    test_compile_inputs.py). Past that the reference runs in slices."""
     per_bh = p.seqlen_q * p.seqlen_k
     batch, hq, hk = p.batch, p.heads_q, p.heads_kv
 
