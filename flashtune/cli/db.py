@@ -22,14 +22,17 @@ from flashtune.cli._common import clean_errors, db_option, read_input, write_ato
 @db_option
 @click.option("--device", metavar="TEXT", default=None,
               help="Only this device: a fingerprint or part of its name.")
-def export(path: str, db_url: str | None, device: str | None) -> None:
+@click.option("--fresh", is_flag=True,
+              help="Only results fresh under this machine's software (kernel sources, Triton, "
+                   "ptxas): leave out what an upgrade made stale.")
+def export(path: str, db_url: str | None, device: str | None, fresh: bool) -> None:
     """Write the database as a JSON export document to PATH ('-' for stdout)."""
     from flashtune.db import open_storage
     from flashtune.db.exchange import export_json
 
     with clean_errors():
         with open_storage(db_url, read_only=True) as storage:
-            data = export_json(storage, device=device)
+            data = export_json(storage, device=device, fresh=fresh)
         if path == "-":
             sys.stdout.buffer.write(data)
             return

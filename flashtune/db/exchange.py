@@ -60,10 +60,12 @@ def _dump(doc: Any) -> bytes:
                        allow_nan=False) + "\n").encode()
 
 
-def export_json(storage: Storage, device: str | None = None) -> bytes:
+def export_json(storage: Storage, device: str | None = None, *, fresh: bool = False) -> bytes:
     """The export document of ``storage`` (all results, or those of ``device``: a
-    fingerprint or part of a device name). Identical content gives identical bytes."""
-    entries = [to_entry(r) for r in sorted(storage.results(device=device), key=sort_key)]
+    fingerprint or part of a device name; with ``fresh``, only results fresh under this
+    machine's software). Identical content gives identical bytes."""
+    rs = storage.results(device=device, include_stale=not fresh)
+    entries = [to_entry(r) for r in sorted(rs, key=sort_key)]
     return _dump({"format": FORMAT, "format_version": FORMAT_VERSION, "entries": entries})
 
 

@@ -52,6 +52,17 @@ def test_export_filters_by_device(filled: Path) -> None:
     assert code == 0 and names == {A100.name}
 
 
+def test_export_fresh_leaves_out_stale_results(filled: Path) -> None:
+    with open_storage(str(filled)) as s:
+        rs = s.results()
+    code, stdout, _ = run("export", "-", "--db", str(filled), "--fresh")
+    entries = json.loads(stdout)["entries"]
+    assert code == 0 and len(entries) == sum(not r.stale for r in rs) < len(rs)
+    sw = software_info()
+    assert {(e["software"]["kernels_hash"], e["software"]["triton"]) for e in entries} \
+        == {(sw.kernels_hash, sw.triton)}
+
+
 def test_show_json_lists_fresh_entries_unless_stale(filled: Path) -> None:
     with open_storage(str(filled)) as s:
         rs = s.results()
