@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,17 +68,24 @@ def worker_id(label: str = "") -> str:
 
 
 def stale_tasks(storage: Any, device: Any, software: Any, directions: Sequence[str],
-                ) -> list[tuple[Any, Any]]:
+                shipped: Iterable[Any] | None = None) -> list[tuple[Any, Any]]:
     """``(key, problem)`` tasks for ``autotune sweep --from-stale``: every key of
-    ``directions`` with a stale result on ``device`` and no fresh one, in key order, each
-    with its stale result's example problem (else a representative of the key). The
+    ``directions`` with a stale result on ``device`` (in ``storage``, or in the shipped
+    layer ``shipped``: default, the package's) and no fresh one in either, in key order,
+    each with its stale result's example problem (else a representative of the key). The
     tuner enqueues the stale winners as the first trials (see its warm start)."""
     from flashtune.autotune.verify import representative
 
-    fresh = set(storage.load_table(device, software))
+    if shipped is None:
+        from flashtune.db.exchange import shipped_results
+
+        shipped = shipped_results(software)
+    here = device.fingerprint
+    layer = [r for r in shipped if r.device.fingerprint == here]
+    fresh = set(storage.load_table(device, software)) | {r.key for r in layer if not r.stale}
     out: dict[Any, Any] = {}
-    for r in storage.results(software=software):
-        if r.stale and r.device.fingerprint == device.fingerprint \
+    for r in [*storage.results(software=software), *layer]:
+        if r.stale and r.device.fingerprint == here \
                 and r.key.direction in directions and r.key not in fresh:
             out.setdefault(r.key, r.problem if r.problem is not None else representative(r.key))
     return sorted(out.items())

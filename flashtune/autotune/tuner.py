@@ -185,8 +185,9 @@ class TuneSession:
 def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, direction: str,
                   space: SearchSpace, *, shipped: bool = True,
                   n_nearest: int = 3) -> list[tuple[dict[str, Any], str]]:
-    """Warm-start points, in order: the key's stale winners on this device (what an
-    upgrade made stale: the best prior there is), the shipped layer's winner for the key
+    """Warm-start points, in order: the key's stale winners on this device (the
+    database's, then the shipped layer's; what an upgrade made stale is the best prior
+    there is), the shipped layer's winner for the key
     on this device, the heuristic default, then the key's results on other devices (the
     database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
     database's and, with ``shipped``, the shipped layer's, nearest first), the prior
@@ -220,8 +221,10 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         from flashtune.db.exchange import shipped_results
 
         try:
-            table.update((r.key, r) for r in shipped_results(software)
-                         if r.device.fingerprint == here and not r.stale)
+            layer = [r for r in shipped_results(software) if r.device.fingerprint == here]
+            table.update((r.key, r) for r in layer if not r.stale)
+            # The shipped winner an upgrade made stale, after the database's own.
+            seeds += [r for r in layer if r.stale and r.key == key]
         except Exception as e:  # the shipped layer is optional
             warnings.warn(f"warm start: could not read the shipped layer: {e}", stacklevel=2)
     if storage is not None:

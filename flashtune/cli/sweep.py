@@ -241,7 +241,8 @@ def _check_gpus(gpus: list[str]) -> Any:
 @click.option("--retry-failed", is_flag=True, help="Tune again the problems that failed.")
 @click.option("--from-stale", is_flag=True,
               help="Re-tune what an upgrade made stale on this device (kernel sources, Triton "
-                   "or ptxas changed), starting from the stale winners.")
+                   "or ptxas changed) in the database and the shipped layer, starting from the "
+                   "stale winners.")
 @click.option("--lease", type=FiniteRange(min=1, max=86400), default=120.0, show_default=True,
               metavar="S", help="Seconds without a heartbeat before another worker takes a "
                                 "problem over.")
@@ -299,8 +300,9 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
             todo = stale_tasks(st, device, software, dirs) if from_stale \
                 else tasks_for(problems, dirs)
         if from_stale and not todo:
-            raise click.ClickException(f"nothing is stale on {device.name} in {where(url)}: "
-                                       "every result is fresh, or has a fresh one beside it")
+            raise click.ClickException(f"nothing is stale on {device.name} in {where(url)} or "
+                                       "the shipped layer: every result is fresh, or has a "
+                                       "fresh one beside it")
         problems = [p for _, p in todo] if from_stale else problems
         prepare_optuna(url)
         # One board for the whole sweep: its every transaction, the last read included,

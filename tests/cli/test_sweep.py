@@ -348,6 +348,51 @@ def test_from_stale_retunes_what_an_upgrade_made_stale_from_the_stale_winners(
     assert code == 2 and "--from-stale and --preset" in err
 
 
+def test_from_stale_takes_the_shipped_layer_an_upgrade_made_stale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an upgrade the shipped winners of this device are stale too: --from-stale
+    re-tunes them into an empty database, each from its shipped winner; keys the shipped
+    layer still serves fresh, and other devices' entries, are left alone."""
+    from dataclasses import replace
+
+    import optuna
+
+    import flashtune.db.exchange as exchange
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import SoftwareInfo, device_info, software_info
+    from tests.db._data import H200
+
+    here, now = device_info(), software_info()
+    before = SoftwareInfo(torch=now.torch, triton="3.8.0", cuda=now.cuda,
+                          kernels_hash=now.kernels_hash, ptxas=now.ptxas)
+    stale_p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32,
+                      dtype="fp16")
+    fresh_p = replace(stale_p, seqlen_q=32, seqlen_k=32)
+    winner = {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1}
+    timing = dict(median_ms=2.0, p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9,
+                  search_seconds=1.0)
+    with open_storage(tmp_path / "made.db") as st:  # what the package would ship
+        for dev, sw, p in ((here, before, stale_p), (here, now, fresh_p), (H200, before, fresh_p)):
+            st.put_result(dev, sw, p.key("fwd"), winner, problem=p,
+                          tflops=p.flops("fwd") / 2e9, **timing)
+        layer = [replace(r, origin="shipped") for r in st.results(software=now)]
+    assert sorted(r.stale for r in layer) == [False, True, True]
+    monkeypatch.setattr(exchange, "shipped_results", lambda software=None: layer)
+    db = str(tmp_path / "empty.db")
+    code, out, err = _sweep("--from-stale", "--direction", "fwd", "--trials", "1", "--db", db)
+    assert code == 0, err
+    assert [(t["key"]["sq_bucket"], t["state"]) for t in out["tasks"]] == [(64, "done")]
+    with open_storage(db) as st:
+        got = st.get_result(here, now, stale_p.key("fwd"))
+        assert got is not None and {k: got.config[k] for k in winner} == winner
+    (summary,) = optuna.get_all_study_summaries(f"sqlite:///{db}")
+    (trial,) = optuna.load_study(study_name=summary.study_name,
+                                 storage=f"sqlite:///{db}").trials
+    assert trial.user_attrs["seed_source"] == "stale"
+    code, _, err = _sweep("--from-stale", "--direction", "fwd", "--db", db)
+    assert code == 1 and "nothing is stale" in err
+
+
 def test_shapes_and_tune_take_the_backward_kind(tmp_path: Path) -> None:
     from flashtune.db import open_storage
 
