@@ -18,7 +18,9 @@ backend), after a warm-up:
 The breakdown times each layer of flashtune's no-grad forward and of its backward in a
 loop of its own: the signature cache, what a first sight adds (validation, the problem
 key, the dispatcher's lookup), the output allocations, one bound launch against one
-``kernel[grid]`` launch, and the autograd Function. flashtune runs with an empty tuning
+``kernel[grid]`` launch, the autograd Function, the Function's backward body, and a whole
+``torch.autograd.grad`` step of ours, of SDPA and of one elementwise op (what the autograd
+engine costs around any op). flashtune runs with an empty tuning
 database (heuristic configs) unless ``FLASHTUNE_DB`` is set. Needs CUDA; runs on torch and
 triton alone (no install: the project on ``PYTHONPATH``).
 """
@@ -213,11 +215,21 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
         "flash_attention, no grad": lambda: flash_attention(q, k, v, causal=causal),
         "Attention.apply forward (grad)": apply_fwd,
         "bwd: 3 bound launches + alloc": lambda: bwd(do, q, k, v, o, lse),
+        "plan.backward (the Function's backward body)": lambda: plan.backward(do, q, k, v,
+                                                                             o, lse),
+        # The whole fwd+bwd step on the host, and what autograd itself costs around any
+        # op: the gap between these and the layers above is the autograd engine's.
+        "autograd.grad of Attention.apply (fwd+bwd)": lambda: torch.autograd.grad(
+            _autograd.Attention.apply(plan, qg, kg, vg), (qg, kg, vg), do),
+        "autograd.grad of SDPA (fwd+bwd)": lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), do),
+        "autograd.grad of an elementwise op (engine floor)": lambda: torch.autograd.grad(
+            qg * 2.0, (qg,), do),
     }
     out = {}
     with torch.no_grad():
         for name, fn in parts.items():
-            if name.startswith("Attention"):
+            if name.startswith(("Attention", "autograd")):
                 with torch.enable_grad():
                     out[name] = _per_call(fn, n)
             else:
