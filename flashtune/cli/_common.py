@@ -38,6 +38,25 @@ class FiniteRange(click.FloatRange):
         return rv
 
 
+class PresetNames(click.ParamType):
+    """One preset name, or several joined by commas (``standard,gpt2``): each must be a
+    preset, none empty. The value stays the text; :func:`shape_set` splits it."""
+
+    name = "preset[,preset...]"
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None,
+                ) -> Any:
+        parts = str(value).split(",")
+        bad = [p for p in parts if p not in self.names]
+        if bad:
+            self.fail(f"{bad[0]!r} is not a preset; presets: {', '.join(self.names)} "
+                      "(several: joined by commas)", param, ctx)
+        return str(value)
+
+
 # Seconds for budgets, timeouts and leases: positive, finite, at most 30 days.
 SECONDS = FiniteRange(min=0, max=30 * 86400, min_open=True)
 # Candidates per direction: a million is beyond any budget (one trial takes >= milliseconds).
@@ -161,7 +180,10 @@ def shape_set(preset: str | None, shapes: str | None, from_misses: bool,
         if from_misses:
             return "recorded misses", recorded_misses(db_url)
         name = preset or "standard"
-        return f"preset {name}", get_preset(name)
+        problems: list[Any] = []
+        for part in name.split(","):  # several presets: their problems once each, in order
+            problems += [p for p in get_preset(part) if p not in problems]
+        return f"preset {name}", problems
     except (ValueError, OSError, FlashtuneError) as e:
         raise click.ClickException(" ".join(str(e).split())) from None
 
@@ -206,8 +228,9 @@ def shape_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="The problems the dispatcher recorded as misses on this device.")(fn)
     fn = click.option("--shapes", type=click.Path(exists=True, dir_okay=False), default=None,
                       metavar="FILE", help="A YAML or JSON list of shapes (see docs).")(fn)
-    fn = click.option("--preset", type=click.Choice(list(PRESETS)), default=None,
-                      help="A named shape set (default: standard).")(fn)
+    fn = click.option("--preset", type=PresetNames(list(PRESETS)), default=None,
+                      help="A named shape set, or several joined by commas (default: "
+                           f"standard). Presets: {', '.join(PRESETS)}.")(fn)
     return fn
 
 

@@ -104,6 +104,19 @@ def test_bad_shapes_file_is_one_clean_line(tmp_path: Path, bad, needle: str) -> 
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_several_presets_joined_by_commas() -> None:
+    from flashtune.cli._common import shape_set
+
+    title, got = shape_set("gpt2,standard,gpt2", None, False, None)
+    want = preset("gpt2") + [p for p in preset("standard") if p not in preset("gpt2")]
+    assert title == "preset gpt2,standard,gpt2" and got == want
+    assert len(got) == len(set(got)) < len(preset("gpt2")) * 2 + len(preset("standard"))
+    for bad, name in (("gpt2,llama5", "'llama5'"), ("gpt2,", "''"), (",", "''")):
+        res = CliRunner().invoke(main, ["sweep", "--interpret", "--preset", bad])
+        assert res.exit_code == 2 and f"{name} is not a preset" in res.stderr, res.stderr
+        assert "Traceback" not in res.output
+
+
 def test_two_shape_sets_at_once_is_a_usage_error(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["sweep", "--interpret", "--preset", "gpt2",
                                     "--shapes", _shapes(tmp_path, [TINY])])
