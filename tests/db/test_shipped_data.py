@@ -1,0 +1,35 @@
+"""The shipped layer as packaged (`flashtune/data/shipped.json`): whole, one software per
+device, and covering every problem of the shipped presets in both directions on every
+device it holds, so a fresh install on those GPUs is served "tuned" for all of them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from flashtune.autotune.presets import preset
+from flashtune.db.exchange import _shipped
+
+SHIPPED_PRESETS = ("standard", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b", "gpt2",
+                   "llama3-8b-packed")
+
+
+def test_shipped_layer_covers_every_preset_problem_on_every_device() -> None:
+    layer = _shipped()
+    assert layer, "the package ships no tuning data"
+    # One tree shipped: every device's entries from the same kernel sources.
+    assert len({r.software.kernels_hash for r in layer}) == 1
+    by_device: dict[str, list] = defaultdict(list)
+    for r in layer:
+        by_device[r.device.fingerprint].append(r)
+    wanted = {p.key(d) for name in SHIPPED_PRESETS for p in preset(name) for d in ("fwd", "bwd")}
+    for results in by_device.values():
+        name = results[0].device.name
+        # One sweep's software per device: a merge must not mix kernels or compilers.
+        assert len({r.software.fingerprint for r in results}) == 1, name
+        keys = [r.key for r in results]
+        assert len(keys) == len(set(keys)), f"{name}: a key shipped twice"
+        missing = wanted - set(keys)
+        assert not missing, f"{name}: no entry for {sorted(k.short() for k in missing)[:3]}"
+        for r in results:  # what the gate measured: a finite time and a passing error
+            assert r.origin == "shipped" and r.median_ms > 0 and r.trials >= 1
+            assert r.problem is not None and r.problem.key(r.key.direction) == r.key
