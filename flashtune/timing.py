@@ -77,17 +77,23 @@ def packed_layout(p: Problem, device: torch.device | str,
 
 
 def time_fn(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_reps: int = 3) -> Timing:
-    """Median/p20/p80 of ``fn()`` in ms: do_bench on CUDA, a host clock loop otherwise."""
+            cpu_reps: int = 3, grad_to_none: Sequence[torch.Tensor] = ()) -> Timing:
+    """Median/p20/p80 of ``fn()`` in ms: do_bench on CUDA, a host clock loop otherwise.
+    ``grad_to_none``: leaves whose ``.grad`` is reset before each call, outside the timed
+    region, so that a backward stores its gradients instead of adding them to the last
+    call's (an elementwise pass over every input that is not attention's work)."""
     if torch.cuda.is_available():
         import triton.testing
 
         med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                grad_to_none=list(grad_to_none) or None,
                                                 quantiles=[0.5, 0.2, 0.8])
         return Timing(float(med), float(p20), float(p80))
     fn()
     times = []
     for _ in range(max(cpu_reps, 1)):
+        for t in grad_to_none:
+            t.grad = None
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -210,7 +216,7 @@ def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
         torch.autograd.backward(o, do)
 
     t_fwd = time_fn(fwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    t_fb = time_fn(fwd_bwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    t_fb = time_fn(fwd_bwd, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=(q, k, v))
     qi, ki, vi = (t.detach() for t in (q, k, v))
 
     def infer() -> None:

@@ -11,7 +11,9 @@ The ladder, per direction (fwd/bwd) and call:
 2. **tuned**: a fresh result for exactly that key on this device, from the per-process
    table (the user's database over the shipped package layer);
 3. **nearest**: else the closest tuned bucket of the same device, dtype, head dim and
-   mask kind (:meth:`ProblemKey.distance`; ties: user layer, then faster);
+   mask kind (:meth:`ProblemKey.distance`; ties: user layer, then faster), tuned on the
+   same side of the host-bound line as the call (:func:`~flashtune.dispatch._table.
+   entry_host_bound`);
 4. **default**: else the heuristic default of :mod:`flashtune.kernels.config`.
 
 Hot path. A dict keyed by a tuple of the tensors' shapes and flags holds the chosen

@@ -16,7 +16,13 @@ from flashtune._env import database_url
 from flashtune.db.fingerprint import DeviceInfo, SoftwareInfo, software_info
 from flashtune.dispatch._state import Config, counters, warn_once
 from flashtune.exceptions import StorageError
-from flashtune.kernels.config import check, config_from_dict, default_config
+from flashtune.kernels.config import (
+    HOST_BOUND_SCORES,
+    check,
+    config_from_dict,
+    default_config,
+    host_bound,
+)
 from flashtune.problem import Problem, ProblemKey
 
 if TYPE_CHECKING:
@@ -69,15 +75,29 @@ class Table:
         hit = self.entries.get(key)
         if hit is not None and feasible(hit.config, problem):
             return Choice(hit.config, "tuned", key, hit.result, hit.layer)
+        small = host_bound(problem)
         ranked = sorted(
             (k.distance(key), LAYER_RANK[self.entries[k].layer],
              self.entries[k].result.median_ms, k)
-            for k in self.families.get(key.family(), ()) if k != key)
+            for k in self.families.get(key.family(), ())
+            if k != key and entry_host_bound(self.entries[k].result) == small)
         for dist, _, _, k in ranked:
             e = self.entries[k]
             if dist != float("inf") and feasible(e.config, problem):
                 return Choice(e.config, "nearest", key, e.result, e.layer)
         return Choice(default_config(direction, problem), "default", key)
+
+
+def entry_host_bound(r: Result) -> bool:
+    """Whether the problem ``r`` was tuned on is host-bound (:func:`host_bound`; from its
+    key's buckets, which round up, when the entry has no example problem). A nearest entry
+    never crosses that line: a config tuned where the kernel's time decides (the Hopper
+    kernels, whose launches cost more host time) is no guide where host time decides,
+    and the other way round; the heuristic default is built for both sides."""
+    if r.problem is not None:
+        return host_bound(r.problem)
+    k = r.key
+    return k.bh_bucket * k.sq_bucket * k.sk_bucket < HOST_BOUND_SCORES
 
 
 def feasible(cfg: Config, problem: Problem) -> bool:

@@ -10,7 +10,7 @@ import flashtune
 from flashtune import dispatch
 from flashtune.db import exchange, open_storage
 from flashtune.kernels._bound import BoundLaunch
-from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
+from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd, host_bound
 from tests.dispatch.test_dispatch import BWD_A, FWD_A, FWD_B, fresh_db, prob, put, qkv
 
 
@@ -55,6 +55,25 @@ def test_nearest_and_default(db, device, no_launch):
     ex = flashtune.explain(*qkv(p, device), causal=False)
     assert ex.source == "default" and ex.entry is None
     assert ex.fwd_config == default_fwd(prob(seqlen_q=32, seqlen_k=32, causal=False))
+
+
+def test_nearest_never_crosses_the_host_bound_line(db, device, no_launch):
+    """A config tuned where the kernel's time decides is not served as nearest to a call
+    so small that host time decides (the shipped layer's Hopper configs at B=1, H=1,
+    S=128 doubled its host time), nor the other way round; each side's own nearest is."""
+    small = prob(batch=1, heads_q=1, heads_kv=1, seqlen_q=128, seqlen_k=128)
+    big = prob(batch=1, heads_q=1, heads_kv=1, seqlen_q=4096, seqlen_k=4096)
+    assert host_bound(small) and not host_bound(big)
+    put(db, prob(batch=1, heads_q=1, heads_kv=1, seqlen_q=2048, seqlen_k=2048), "fwd", FWD_A)
+    ex = flashtune.explain(*qkv(small, device), causal=True)
+    assert ex.fwd.source == "default" and ex.fwd_config == default_fwd(small)
+    ex = flashtune.explain(*qkv(big, device), causal=True)
+    assert ex.fwd.source == "nearest" and ex.fwd_config == FWD_A
+    # A host-bound entry (with the key of another bucket) serves the small call only.
+    put(db, prob(batch=1, heads_q=1, heads_kv=1, seqlen_q=512, seqlen_k=512), "fwd", FWD_B)
+    dispatch.reload()
+    assert flashtune.explain(*qkv(small, device), causal=True).fwd_config == FWD_B
+    assert flashtune.explain(*qkv(big, device), causal=True).fwd_config == FWD_A
 
 
 def test_explain_records_no_miss_and_ignores_strict(db, device, monkeypatch, no_launch):
