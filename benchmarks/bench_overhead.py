@@ -179,7 +179,7 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
     if fwd.hopper is not None:
         tq, tk, tv = fwd.hopper.templates
         values: tuple[Any, ...] = (descriptor_like(tq, q), descriptor_like(tk, k),
-                                   descriptor_like(tv, v), o, lse)
+                                   descriptor_like(tv, v), o, lse, lse, lse)
     elif fwd.descriptors is not None:
         td, tv = fwd.descriptors
         values = (q, k, v, o, lse, descriptor_like(td, k), descriptor_like(tv, v), q, q)
@@ -220,7 +220,7 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
         # The whole fwd+bwd step on the host, and what autograd itself costs around any
         # op: the gap between these and the layers above is the autograd engine's.
         "autograd.grad of Attention.apply (fwd+bwd)": lambda: torch.autograd.grad(
-            _autograd.Attention.apply(plan, qg, kg, vg), (qg, kg, vg), do),
+            _autograd.Attention.apply(plan, qg, kg, vg)[0], (qg, kg, vg), do),
         "autograd.grad of SDPA (fwd+bwd)": lambda: torch.autograd.grad(
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), do),
         "autograd.grad of an elementwise op (engine floor)": lambda: torch.autograd.grad(
@@ -234,6 +234,20 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
                     out[name] = _per_call(fn, n)
             else:
                 out[name] = _per_call(fn, n)
+    return out
+
+
+def served() -> dict[str, dict[str, Any]]:
+    """What the dispatcher serves the benchmarked calls (``flashtune.explain``)."""
+    import flashtune
+
+    q, k, v, _ = _inputs(False)
+    out = {}
+    for causal in (False, True):
+        ex = flashtune.explain(q, k, v, causal=causal)
+        out[str(causal)] = {"fwd": repr(ex.fwd_config), "bwd": repr(ex.bwd_config),
+                            "fwd_source": f"{ex.fwd.source} {ex.fwd.layer or ''}".strip(),
+                            "bwd_source": f"{ex.bwd.source} {ex.bwd.layer or ''}".strip()}
     return out
 
 
@@ -266,6 +280,10 @@ def main() -> None:
                            "n": args.n, "n_busy": args.n_busy, "database": db}
     print(f"{out['device']}, torch {out['torch']}, triton {out['triton']}, "
           f"commit {out['commit']}, {out['date']}")
+    out["served"] = served()
+    for c, e in out["served"].items():
+        print(f"causal {c}: fwd {e['fwd']} ({e['fwd_source']}), bwd {e['bwd']} "
+              f"({e['bwd_source']})")
     out["cases"] = bench_cases(args.n, args.n_busy)
     print("\n| case | causal | flashtune idle | SDPA idle | ratio | flashtune busy | "
           "SDPA busy | ratio | SDPA-FA2 idle |")
