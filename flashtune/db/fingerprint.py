@@ -3,7 +3,8 @@
 A result is stored under (device fingerprint, software fingerprint, problem key). The
 device fingerprint decides *where* a config may be served; the software fingerprint
 decides whether it is fresh. It covers what changes the generated code: the kernel
-sources (a hash of their files), the Triton version and the version of the ptxas that
+sources (a hash of their files, less the host-only wiring: :data:`HOST_ONLY_MODULES`),
+the Triton version and the version of the ptxas that
 Triton runs. A result made under other ones is stale (kept, used as a warm-start seed,
 never served as tuned); :func:`stale_fields` names the fields that differ. The torch and
 CUDA runtime versions are kept with each result as provenance only.
@@ -128,11 +129,26 @@ def device_info(device: Any = None) -> DeviceInfo:
     return _cuda_device_info(index)
 
 
+HOST_ONLY_MODULES = frozenset({"__init__.py", "_autograd.py", "_plans.py", "_bound.py",
+                               "attention.py", "varlen.py"})
+"""The kernel package's modules that hold no kernel and decide nothing of a launch: the
+public entry points and their validation (``attention.py``, ``varlen.py``), the autograd
+and custom-op wiring, the per-signature plans and the binding of compiled kernels. What a
+config compiles to (the jit sources, their constexprs and launch options) and how it is
+launched (grids, scalars, buffers) are decided in the other modules, so a change here
+cannot change a tuned result's code or its timing, and leaves it fresh. Every other
+module, and any new one, is hashed; ``tests/db/test_fingerprint.py`` checks that none
+of these defines a kernel or builds a launch."""
+
+
 def kernels_hash(root: Path = _KERNELS_DIR) -> str:
-    """sha256 over the kernel package's ``*.py`` files: relative path and bytes, sorted."""
+    """sha256 over the kernel package's ``*.py`` files but :data:`HOST_ONLY_MODULES`
+    (top level): relative path and bytes, sorted."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
         rel = path.relative_to(root).as_posix()
+        if rel in HOST_ONLY_MODULES:
+            continue
         data = path.read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode())
         h.update(data)

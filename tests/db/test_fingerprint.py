@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import flashtune.kernels
 from flashtune.db.fingerprint import (
     CPU_INTERPRETER,
+    HOST_ONLY_MODULES,
     DeviceInfo,
     SoftwareInfo,
     device_info,
@@ -82,6 +85,55 @@ def test_kernels_hash_follows_content_not_order(tmp_path: Path) -> None:
     assert kernels_hash(tmp_path) == first
     (tmp_path / "a.py").write_text("A = 2\n")
     assert kernels_hash(tmp_path) != first
+
+
+def test_kernels_hash_leaves_out_the_host_only_modules(tmp_path: Path) -> None:
+    (tmp_path / "attn_fwd.py").write_text("K = 1\n")
+    (tmp_path / "_plans.py").write_text("P = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "_plans.py").write_text("S = 1\n")  # only top-level names are exempt
+    first = kernels_hash(tmp_path)
+    (tmp_path / "_plans.py").write_text("P = 2\n")
+    assert kernels_hash(tmp_path) == first
+    for name in ("attn_fwd.py", "sub/_plans.py", "new_module.py"):
+        (tmp_path / name).write_text("changed = True\n")
+        assert kernels_hash(tmp_path) != first, name
+        first = kernels_hash(tmp_path)
+
+
+def _launch_deciding_names(tree: ast.AST) -> list[str]:
+    """What a module that decides nothing of a kernel or its launch must not hold: a jit
+    decorator, an import of a kernel language, grid arithmetic (``cdiv``), or the
+    construction of a prepared launch (``*Launch(...)`` but the forward and backward
+    launches of a plan, which the kernel modules build)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [f"@{ast.unparse(d)}" for d in node.decorator_list if "jit" in ast.unparse(d)]
+        elif isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith(("triton.language", "triton.experimental"))):
+            found.append(f"from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith(
+                ("triton.language", "triton.experimental"))]
+        elif isinstance(node, ast.Attribute) and node.attr == "cdiv":
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id.endswith("Launch") and node.func.id not in ("FwdLaunch",
+                                                                            "BwdLaunch"):
+            found.append(f"{node.func.id}(...)")
+    return found
+
+
+def test_the_host_only_modules_define_no_kernel_and_build_no_launch() -> None:
+    root = Path(flashtune.kernels.__file__).parent
+    for name in sorted(HOST_ONLY_MODULES):
+        tree = ast.parse((root / name).read_text())
+        assert _launch_deciding_names(tree) == [], name
+    # The check can fail: a kernel module holds each of these.
+    found = _launch_deciding_names(ast.parse((root / "attn_fwd.py").read_text()))
+    assert any(x.startswith("@") for x in found) and "triton.cdiv" in found
+    assert any(x == "BoundLaunch(...)" for x in found)
 
 
 def test_software_info_is_cached_and_hashes_the_kernels() -> None:
