@@ -42,19 +42,26 @@ def grads(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 class Attention(torch.autograd.Function):
-    """Eager autograd: ``Attention.apply(plan, q, k, v, *prefix_sums)`` -> (O, LSE)."""
+    """Eager autograd: ``Attention.apply(plan, q, k, v, *prefix_sums)`` -> (O, LSE).
+
+    Gradients are not materialized: the LSE is not differentiable, and autograd would
+    otherwise allocate and zero-fill a gradient for it on every backward (a kernel launch
+    of host time at small shapes) that the backward never reads."""
 
     @staticmethod
     def forward(ctx: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 *cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = plan.forward(q, k, v, *cu)
         save(ctx, (q, k, v, *cu), o, lse, plan.backward, ())
+        ctx.set_materialize_grads(False)
+        ctx.n_cu = len(cu)
         return o, lse
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        n_cu = len(ctx.saved_tensors) - 5
-        return (None, *grads(ctx, do), *(None,) * n_cu)
+    def backward(ctx: Any, do: torch.Tensor | None, _dlse: Any) -> tuple[Any, ...]:
+        if do is None:  # no gradient reached O: none for the inputs either
+            return (None,) * (4 + ctx.n_cu)
+        return (None, *grads(ctx, do), *(None,) * ctx.n_cu)
 
 
 def register(fwd_op: Any, bwd_op: Any) -> None:

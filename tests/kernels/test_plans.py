@@ -127,6 +127,33 @@ def test_backward_launches_cached_by_the_gradient_layout(device, seed) -> None:
     assert all(isinstance(b, BwdLaunch) for b in plan.bwd.values())
 
 
+def test_eager_backward_makes_no_gradient_for_the_lse(device, seed) -> None:
+    """The LSE is not differentiable: autograd must not allocate and zero-fill a gradient
+    for it on every backward (it did, one aten.zeros per step, until gradients stopped
+    being materialized)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv(device, grad=True)
+    out = flash_attention(q, k, v, causal=True)
+    do = torch.randn_like(out)
+    with Ops() as ops:
+        out.backward(do)
+    assert ops.names and not [n for n in ops.names if n.startswith(("zeros", "zero_", "fill"))]
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    attention_ref(*ref, causal=True)[0].backward(do.float())
+    for got, r in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(got.grad, r.grad.to(got.dtype), atol=3e-2, rtol=3e-2)
+
+
 def test_eager_packed_calls_share_the_wiring_and_skip_the_custom_ops(device) -> None:
     lens = [5, 11]
     cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=device)
