@@ -157,6 +157,18 @@ def bench_cases(n: int, n_busy: int) -> list[dict[str, Any]]:
     return rows
 
 
+class _Identity(torch.autograd.Function):
+    """The least a Python ``torch.autograd.Function`` costs in an autograd step."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
 def breakdown(causal: bool, n: int) -> dict[str, float]:
     """Host microseconds per call of each layer of flashtune's path (see the module doc)."""
     from flashtune import dispatch
@@ -225,6 +237,8 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), do),
         "autograd.grad of an elementwise op (engine floor)": lambda: torch.autograd.grad(
             qg * 2.0, (qg,), do),
+        "autograd.grad of a Python Function (identity)": lambda: torch.autograd.grad(
+            _Identity.apply(qg), (qg,), do),
     }
     out = {}
     with torch.no_grad():
