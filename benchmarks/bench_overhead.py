@@ -15,6 +15,10 @@ backend), after a warm-up:
   matmuls on the same stream, so the GPU never waits for the host and the host never for
   the GPU (the loop stays below the launch queue's depth): the pure host cost.
 
+Both are measured in ``--rounds`` rounds that alternate the implementations, and each
+figure is the median of its rounds. ``--profile FILE`` adds torch.profiler's host table
+of fwd+bwd steps (ours and SDPA's), where the autograd engine's thread shows too.
+
 The breakdown times each layer of flashtune's no-grad forward and of its backward in a
 loop of its own: the signature cache, what a first sight adds (validation, the problem
 key, the dispatcher's lookup), the output allocations, one bound launch against one
@@ -141,20 +145,55 @@ def implementations() -> dict[str, Callable[..., torch.Tensor]]:
     }
 
 
-def bench_cases(n: int, n_busy: int) -> list[dict[str, Any]]:
+def bench_cases(n: int, n_busy: int, rounds: int) -> list[dict[str, Any]]:
+    """Each case's implementations measured in alternation, ``rounds`` times (``n`` calls
+    in all per implementation for idle, ``n_busy`` per round for busy), each figure the
+    median of its rounds: the host's speed drifts within a run (SDPA's own fwd+bwd moved
+    144 -> 252 us between two cases of one run), and measuring one implementation after
+    the other folds that drift into their ratio."""
     rows = []
     for causal in (False, True):
         for case, make in (("fwd", _fwd), ("fwd+bwd", _fwd_bwd)):
             row: dict[str, Any] = {"case": case, "causal": causal}
-            for name, fn in implementations().items():
-                call = make(fn, causal)
-                idle = _idle(call, n)
-                cover = 3 * idle * n_busy / 1e6 + 0.05  # seconds of matmuls ahead of the loop
-                row[name] = {"idle_us": idle, "busy_us": _busy(call, n_busy, cover)}
+            calls = {name: make(fn, causal) for name, fn in implementations().items()}
+            idle: dict[str, list[float]] = {name: [] for name in calls}
+            busy: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    idle[name].append(_idle(call, max(1, n // rounds)))
+                for name, call in calls.items():
+                    cover = 3 * idle[name][-1] * n_busy / 1e6 + 0.05  # s of matmuls ahead
+                    busy[name].append(_busy(call, n_busy, cover))
+            for name in calls:
+                row[name] = {"idle_us": statistics.median(idle[name]),
+                             "busy_us": statistics.median(busy[name]),
+                             "idle_rounds_us": idle[name], "busy_rounds_us": busy[name]}
             for mode in ("idle_us", "busy_us"):
                 row[f"ratio_{mode[:-3]}"] = row["flashtune"][mode] / row["sdpa"][mode]
             rows.append(row)
     return rows
+
+
+def profile(path: str, causal: bool = False, steps: int = 200) -> None:
+    """torch.profiler's host-side table (self CPU time per op and autograd node, both
+    threads) over ``steps`` fwd+bwd steps of flashtune and of SDPA, written to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with open(path, "w") as fh:
+        for name, fn in implementations().items():
+            if name == "sdpa_flash":
+                continue
+            call = _fwd_bwd(fn, causal)
+            for _ in range(50):
+                call()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    call()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            fh.write(f"== {name}, fwd+bwd, causal {causal}, {steps} steps\n{table}\n")
 
 
 class _Identity(torch.autograd.Function):
@@ -285,6 +324,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="calls per idle loop (default 2000)")
     ap.add_argument("--n-busy", type=int, default=150,
                     help="calls per busy loop, under the launch queue's depth (default 150)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="alternating rounds per case; each figure is their median")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="also write torch.profiler's host table of fwd+bwd steps here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_overhead needs a CUDA GPU (host overhead is a GPU-host measure)")
@@ -298,7 +341,8 @@ def main() -> None:
     for c, e in out["served"].items():
         print(f"causal {c}: fwd {e['fwd']} ({e['fwd_source']}), bwd {e['bwd']} "
               f"({e['bwd_source']})")
-    out["cases"] = bench_cases(args.n, args.n_busy)
+    out["rounds"] = args.rounds
+    out["cases"] = bench_cases(args.n, args.n_busy, args.rounds)
     print("\n| case | causal | flashtune idle | SDPA idle | ratio | flashtune busy | "
           "SDPA busy | ratio | SDPA-FA2 idle |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -313,6 +357,9 @@ def main() -> None:
     for name in names:
         a, b = out["breakdown"]["False"][name], out["breakdown"]["True"][name]
         print(f"  {name:42s} {a:7.2f} {b:7.2f}")
+    if args.profile:
+        profile(args.profile)
+        print(f"wrote {args.profile}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=2)
