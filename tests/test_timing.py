@@ -18,7 +18,7 @@ def test_time_fn_resets_the_named_grads_before_each_call() -> None:
         (x * 2).sum().backward()
 
     time_fn(step, cpu_reps=3, grad_to_none=(x,))
-    assert len(seen) == 4 and seen[1:] == [True, True, True]  # the untimed first call too
+    assert len(seen) == 4 and seen[1:] == [True, True, True]  # one untimed call, 3 timed
     time_fn(step, cpu_reps=2)  # without: the grads accumulate from call to call
     assert seen[4:] == [False, False, False]
 

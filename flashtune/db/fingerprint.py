@@ -136,9 +136,10 @@ public entry points and their validation (``attention.py``, ``varlen.py``), the 
 and custom-op wiring, the per-signature plans and the binding of compiled kernels. What a
 config compiles to (the jit sources, their constexprs and launch options) and how it is
 launched (grids, scalars, buffers) are decided in the other modules, so a change here
-cannot change a tuned result's code or its timing, and leaves it fresh. Every other
-module, and any new one, is hashed; ``tests/db/test_fingerprint.py`` checks that none
-of these defines a kernel or builds a launch."""
+cannot change a tuned result's code or its launch (only the host time around it), and
+leaves it fresh. Every other module, and any new one, is hashed;
+``tests/db/test_fingerprint.py`` checks that none of these defines a kernel or builds a
+launch."""
 
 
 def kernels_hash(root: Path = _KERNELS_DIR) -> str:
