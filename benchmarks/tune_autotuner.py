@@ -268,7 +268,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
                        "tpe_budget": budget, "tpe_trials": tp.trials, "tpe_s": tp.search_seconds,
                        "tpe_compile_share": tp.compile_seconds / tp.search_seconds,
                        "tpe_infeasible": tp.infeasible, "tpe_winner_source": tp.winner_source,
-                       "tpe_stop": tp.stop_reason,
+                       "tpe_stop": tp.stop_reason, "tpe_retimed": tp.retimed,
                        "exhaustive_ms": ms[0], "tpe_ms": ms[1],
                        "same_config": same, "gap": 0.0 if same else ms[1] / ms[0] - 1,
                        "sweep_gap": sweep_gap, "exhaustive_config": ex_cfg,
