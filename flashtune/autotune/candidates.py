@@ -10,22 +10,60 @@ ask for them (see :mod:`flashtune.autotune.tuner`).
   moved to an adjacent choice, else two. For a backward incumbent that runs as separate
   launches (:func:`by_launch`), each launch's fields move at once, around the best
   measured setting of that launch, since each launch is timed on its own.
+- :func:`rival`: the best measured point of the other kernel family (portable Triton or
+  Hopper Gluon), while it is close enough to the incumbent that the final re-timing may
+  still rank it first; the search polishes it too, in turn with the incumbent.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from flashtune.autotune.space import SearchSpace
-from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH
+from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH, HOPPER
 from flashtune.problem import Problem
 
 Params = dict[str, Any]
 PartTimes = tuple[Params, dict[str, float]]  # (params, {launch: ms})
 # Backward variants that run as one launch (timed as a whole, polished field by field).
 ONE_LAUNCH_VARIANTS = frozenset({BWD_ONE_LAUNCH, BWD_HOPPER})
+
+
+# How close (trial time over the incumbent's) the other kernel family's best point must be
+# to be polished and re-timed as a finalist. A search's trials are short timings; in the
+# final re-timing (the house protocol, longer) the two families ranked differently by up
+# to 10% on the H200 (BENCHMARKS.md, issue 17, "Search quality on the conditional
+# space"), and polishing only the incumbent's family never measured the other's best
+# point, one move from its best trial.
+RIVAL_MARGIN = 0.10
+
+
+def family(direction: str, params: Mapping[str, Any]) -> str:
+    """The kernel family of a point: "hopper" (the Gluon kernels) or "portable"."""
+    hopper = HOPPER if direction == "fwd" else BWD_HOPPER
+    return "hopper" if params.get("variant", 0) == hopper else "portable"
+
+
+def rival(direction: str, done: Mapping[tuple[Any, ...], Any], best_params: Params,
+          best_ms: float) -> Params:
+    """The fastest measured point (``done``: signature -> finished trial) of the kernel
+    family the incumbent ``best_params`` is not in, if within :data:`RIVAL_MARGIN` of
+    ``best_ms``; else {}."""
+    if not best_params or not math.isfinite(best_ms):
+        return {}
+    mine = family(direction, best_params)
+    out, out_ms = {}, math.inf
+    for key, t in done.items():
+        value = getattr(t, "value", None)
+        if value is None or getattr(getattr(t, "state", None), "name", "") != "COMPLETE":
+            continue
+        params = dict(key)
+        if family(direction, params) != mine and value < out_ms:
+            out, out_ms = params, float(value)
+    return out if out_ms <= (1 + RIVAL_MARGIN) * best_ms else {}
 
 
 def sig(params: Mapping[str, Any]) -> tuple[Any, ...]:

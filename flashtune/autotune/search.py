@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from flashtune.autotune import candidates
@@ -127,6 +127,7 @@ class Search:
         self.prepared = False  # the worker has this problem's gate case (see _prepare)
         self.compile_s = 0.0
         self.wanted: list[Params] = []  # the next polishing points (see _prefetch)
+        self.polish_turns = 0  # polishing points asked for (see _priority_point)
         self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
         self._load_tallies()
         # From here on, polishing candidates go before the sampler's picks: after the
@@ -237,8 +238,26 @@ class Search:
         if self.polish_from is None or not self.best_params \
                 or self.measured < self.polish_from:
             return None
-        point = candidates.polish_point(self._seen(), self.skipped_parts)
-        return (point, "polish") if point is not None else None
+        seen = self._seen()
+        point = None
+        if self.polish_turns % 2:  # every other turn, the other kernel family's best
+            other = self._rival()
+            if other:
+                point = candidates.polish_point(replace(seen, best_params=other),
+                                                self.skipped_parts)
+        if point is None:
+            point = candidates.polish_point(seen, self.skipped_parts)
+        if point is None:
+            return None
+        self.polish_turns += 1
+        return point, "polish"
+
+    def _rival(self) -> Params:
+        """The other kernel family's best point, while close to the incumbent
+        (:func:`candidates.rival`)."""
+        if "variant" not in self.s.space.fields:
+            return {}
+        return candidates.rival(self.direction, self.done, self.best_params, self.best)
 
     def _drop_newest_sampled(self) -> bool:
         """Cancel the newest queued pick of the sampler (its compile may be wasted)."""
@@ -554,7 +573,14 @@ class Search:
         if pool is None or self.polish_from is None or not centre \
                 or (self.s.trials is not None and self.measured < self.polish_from):
             return
-        wanted = self.wanted = self._upcoming(centre)
+        wanted = self._upcoming(centre)
+        other = self._rival() if self.best_params else {}
+        if other:  # polishing takes turns with the other family's best: so does compiling
+            theirs = self._upcoming(other)
+            wanted = [p for pair in zip(wanted, theirs, strict=False) for p in pair] \
+                + wanted[len(theirs):] + theirs[len(wanted):]
+            wanted = list({sig(p): p for p in wanted}.values())[:PREFETCH]
+        self.wanted = wanted
         keys = {sig(p) for p in wanted} | {sig(p) for _, p, _, _ in self.pending}
         for key in [k for k, f in self.compiles.items() if k not in keys and f.cancel()]:
             del self.compiles[key]

@@ -54,6 +54,7 @@ from typing import Any
 from flashtune._env import interpreting, setenv
 from flashtune.autotune._compile import CompilePool
 from flashtune.autotune._isolation import Worker
+from flashtune.autotune.candidates import RIVAL_MARGIN, family
 from flashtune.autotune.priors import prior_points
 from flashtune.autotune.search import ProgressFn, Search, Settings
 from flashtune.autotune.space import Config, SearchSpace
@@ -67,7 +68,13 @@ from flashtune.autotune.study import (
     study_name,
 )
 from flashtune.exceptions import TuningError
-from flashtune.kernels.config import config_from_dict, config_to_dict, default_config
+from flashtune.kernels.config import (
+    PORTABLE,
+    config_from_dict,
+    config_to_dict,
+    default_config,
+    default_portable_fwd,
+)
 from flashtune.problem import Problem, ProblemKey
 
 # The search's trials on a GPU: warm up briefly (the first launch and the gate have run),
@@ -256,6 +263,11 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         for point in space.neighbours(default, 1, among=["variant"]):
             if point["variant"] in allowed and space.feasible(space.config(point), problem)[0]:
                 add(point, "variant")
+        # And the portable kernel's own heuristic config, where the default is a Hopper
+        # one: the default's tiles are the Hopper kernel's, rarely the portable one's best.
+        if direction == "fwd" and default.get("variant") != PORTABLE \
+                and PORTABLE in allowed:
+            add(config_to_dict(default_portable_fwd(problem)), "variant")
     return out
 
 
@@ -339,10 +351,13 @@ def _outcomes(search: Search) -> tuple[list[Any], list[Any], int, int]:
 
 
 def _finalists(space: SearchSpace, ok: list[Any], default_params: dict[str, Any],
-               top_k: int) -> list[Any]:
-    """The top-k distinct passing trials, and the heuristic default whenever it passed:
-    noise in the short search timings must not crown a config slower than the default.
-    Trials are compared as whole configs (a trial holds only its variant's knobs)."""
+               top_k: int, direction: str = "fwd") -> list[Any]:
+    """The top-k distinct passing trials; the other kernel family's best trial, if within
+    :data:`~flashtune.autotune.candidates.RIVAL_MARGIN` of the best (the families rank
+    differently in short timings and in the re-timing's longer ones); and the heuristic
+    default whenever it passed: noise in the short search timings must not crown a config
+    slower than the default. Trials are compared as whole configs (a trial holds only its
+    variant's knobs)."""
     full = space.complete
     cands: list[Any] = []
     for t in ok:
@@ -350,6 +365,12 @@ def _finalists(space: SearchSpace, ok: list[Any], default_params: dict[str, Any]
             cands.append(t)
         if len(cands) >= max(top_k, 1):
             break
+    if top_k > 1 and ok and "variant" in space.fields:
+        mine = family(direction, full(ok[0].params))
+        other = next((t for t in ok if family(direction, full(t.params)) != mine), None)
+        if other is not None and float(other.value) <= (1 + RIVAL_MARGIN) * float(ok[0].value) \
+                and all(full(other.params) != full(c.params) for c in cands):
+            cands.append(other)
     dflt_t = next((t for t in ok if full(t.params) == default_params), None)
     if dflt_t is not None and all(full(c.params) != default_params for c in cands) \
             and top_k > 1:
@@ -399,7 +420,7 @@ def _finish(search: Search, target: _Target) -> TuneResult:
     problem, direction, study = search.problem, search.direction, search.study
     measured, ok, n_fail, n_pruned = _outcomes(search)
     default_params = config_to_dict(default_config(direction, problem))
-    cands = _finalists(search.s.space, ok, default_params, search.s.top_k)
+    cands = _finalists(search.s.space, ok, default_params, search.s.top_k, direction)
     verdict = _Verdict(cands[0], float(cands[0].value),
                        default_ms=next((t.value for t in ok
                                         if search.s.space.complete(t.params) == default_params),

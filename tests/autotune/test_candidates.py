@@ -61,3 +61,67 @@ def test_compose_offers_nothing_that_is_not_faster() -> None:
     b = {**a, "dq_block_m": 64}
     parts = ((a, {"dkdv": 1.0, "dq": 1.0, "pre": 0.1}), (b, {"dkdv": 1.0, "dq": 1.5, "pre": 0.1}))
     assert compose_point(seen(space, a, done=(a, b), parts=parts)) is None
+
+
+def _trial(params: dict[str, Any], value: float, state: str = "COMPLETE") -> Any:
+    from types import SimpleNamespace
+
+    from optuna.trial import TrialState
+
+    return SimpleNamespace(params=params, value=value, state=TrialState[state])
+
+
+def test_the_rival_is_the_other_kernel_familys_best_while_within_the_margin() -> None:
+    from flashtune.autotune.candidates import RIVAL_MARGIN, rival
+    from flashtune.kernels.config import FwdConfig
+
+    hopper = config_to_dict(FwdConfig(variant=1, block_m=128, block_n=128, num_stages=2))
+    near = config_to_dict(FwdConfig(block_m=64, block_n=64, num_stages=3))
+    nearer_but_failed = config_to_dict(FwdConfig(block_m=64, block_n=32, num_stages=3))
+    far = config_to_dict(FwdConfig(block_m=128, block_n=64, num_warps=8))
+    best_ms = 1.0
+    done = {sig(hopper): _trial(hopper, best_ms),
+            sig(near): _trial(near, best_ms * (1 + RIVAL_MARGIN / 2)),
+            sig(nearer_but_failed): _trial(nearer_but_failed, 0.5, "FAIL"),
+            sig(far): _trial(far, best_ms * (1 + 2 * RIVAL_MARGIN))}
+    assert rival("fwd", done, hopper, best_ms) == near
+    # The incumbent's own family is never its rival; nor is a family too far behind.
+    assert rival("fwd", done, near, best_ms) == hopper
+    del done[sig(near)]
+    assert rival("fwd", done, hopper, best_ms) == {}
+    assert rival("fwd", done, {}, best_ms) == {}
+
+
+def test_the_backwards_portable_variants_are_one_family() -> None:
+    from flashtune.autotune.candidates import family, rival
+    from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH, BWD_TWO_KERNEL
+
+    two = config_to_dict(default_bwd(P))
+    one = {**two, "variant": BWD_ONE_LAUNCH}
+    assert two["variant"] == BWD_TWO_KERNEL
+    assert family("bwd", two) == family("bwd", one) == "portable"
+    assert family("bwd", {**two, "variant": BWD_HOPPER}) == "hopper"
+    done = {sig(two): _trial(two, 1.0), sig(one): _trial(one, 1.01)}
+    assert rival("bwd", done, two, 1.0) == {}
+
+
+def test_the_final_retiming_takes_the_other_familys_best_within_the_margin() -> None:
+    from flashtune.autotune.candidates import RIVAL_MARGIN
+    from flashtune.autotune.tuner import _finalists
+    from flashtune.kernels.config import FwdConfig
+
+    space = SearchSpace.full("fwd")
+    hoppers = [config_to_dict(FwdConfig(variant=1, block_m=128, block_n=128, num_stages=s,
+                                        persistent=1, tile_order=o))
+               for s in (2, 3) for o in (0, 1)]
+    portable = config_to_dict(FwdConfig(block_m=64, block_n=64, num_stages=3))
+    default = config_to_dict(FwdConfig(block_m=128, block_n=64, num_stages=3))
+    for lag, joins in ((RIVAL_MARGIN / 2, True), (2 * RIVAL_MARGIN, False)):
+        ok = [_trial(h, 1.0 + 0.001 * i) for i, h in enumerate(hoppers)]
+        ok.append(_trial(portable, 1.0 + lag))
+        picked = [t.params for t in _finalists(space, ok, default, 3, "fwd")]
+        assert picked[:3] == hoppers[:3]
+        assert (portable in picked) == joins
+        assert len(picked) == 3 + joins
+        # With no final re-timing (top_k 1) the fastest trial stands alone.
+        assert [t.params for t in _finalists(space, ok, default, 1, "fwd")] == hoppers[:1]

@@ -403,6 +403,28 @@ def test_the_seeds_include_the_default_in_every_other_kernel_variant() -> None:
                                         shipped=False)] == ["default"]
 
 
+def test_a_hopper_default_forward_is_seeded_with_the_portable_heuristic_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.db.fingerprint import device_info, software_info
+
+    # As on an sm90 GPU, where the forward's default is a Hopper kernel: the portable
+    # family's own heuristic is seeded, not only the Hopper default's tiles as portable.
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=8, heads_q=16, heads_kv=16, seqlen_q=2048, seqlen_k=2048, head_dim=128,
+                causal=True)
+    fwd = SearchSpace.full("fwd")
+    default = config_to_dict(default_config("fwd", p))
+    assert default["variant"] == config.HOPPER
+    seeds = _seed_configs(None, device_info(), software_info(), p, "fwd", fwd, shipped=False)
+    portable = fwd.project(config_to_dict(config.default_portable_fwd(p)))
+    assert (portable, "variant") in seeds
+    assert seeds[0] == (fwd.project(default), "default")
+    monkeypatch.undo()  # on this machine the default is portable: nothing more to seed
+    assert [s for _, s in _seed_configs(None, device_info(), software_info(), p, "fwd", fwd,
+                                        shipped=False)] == ["default"]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
         head_dim: int) -> None:
