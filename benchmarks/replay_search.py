@@ -31,6 +31,8 @@ import statistics
 from concurrent.futures import Future
 from typing import Any
 
+from tune_autotuner import problem_of_label
+
 from flashtune.autotune import SearchSpace, TuneSession, tune
 from flashtune.problem import Problem
 
@@ -161,15 +163,6 @@ def _snap_default(space: SearchSpace, direction: str) -> None:
     tuner_mod.default_config = snapped  # type: ignore[assignment]
 
 
-def _problem(label: str) -> Problem:
-    """The problem of a quality row's label ("B16 H32 S1024 D64 causal", bf16)."""
-    words = label.split()
-    val = {w[0]: int(w[1:]) for w in words if w[0] in "BHSD" and w[1:].isdigit()}
-    return Problem(batch=val["B"], heads_q=val["H"], heads_kv=val["H"], seqlen_q=val["S"],
-                   seqlen_k=val["S"], head_dim=val["D"], dtype="bf16",
-                   causal="causal" in words)
-
-
 def _landscapes(files: list[dict[str, Any]]) -> dict[str, Any]:
     """One landscape set from files of either form: a recorded landscape file, or the
     rows of ``tune_autotuner.py quality`` (each row's exhaustive search is a landscape)."""
@@ -182,7 +175,7 @@ def _landscapes(files: list[dict[str, Any]]) -> dict[str, Any]:
         for row in data["rows"]:
             out["landscapes"].append({
                 "direction": row["direction"], "label": row["problem"],
-                "problem": _problem(row["problem"]).as_dict(),
+                "problem": problem_of_label(row["problem"]).as_dict(),
                 "trials": [t for t in row["exhaustive_trials_log"] if t["status"] == "ok"]})
     return out
 

@@ -123,6 +123,15 @@ def _label(p: Problem) -> str:
     return f"B{p.batch} H{p.heads_q} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
 
 
+def problem_of_label(label: str) -> Problem:
+    """The problem a row's label names (its inverse, for bf16 problems with Hq = Hkv)."""
+    words = label.split()
+    val = {w[0]: int(w[1:]) for w in words if w[0] in "BHSD" and w[1:].isdigit()}
+    return Problem(batch=val["B"], heads_q=val["H"], heads_kv=val["H"], seqlen_q=val["S"],
+                   seqlen_k=val["S"], head_dim=val["D"], dtype="bf16",
+                   causal="causal" in words)
+
+
 def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]],
             rounds: int = 5) -> list[float]:
     reply = sess.worker.request({"op": "retime", "problem": p.as_dict(), "direction": d,

@@ -1,6 +1,7 @@
 """How far apart do repeated side-by-side re-timings of the same configs land?
 
-    python benchmarks/experiments/retime_spread.py quality.json ROW [--repeats 4] [--rounds 5]
+    PYTHONPATH=.:benchmarks python benchmarks/experiments/retime_spread.py quality.json ROW \
+        [--repeats 4] [--rounds 5]
 
 Reads one row of a ``tune_autotuner.py quality`` file: the exhaustive search's winner,
 the tuner's winner and the tuner's three fastest trials (its finalists, as ``tune``
@@ -23,7 +24,7 @@ import torch
 from flashtune.autotune.measure import Bench, retime
 from flashtune.autotune.tuner import SEARCH_TIMING
 from flashtune.kernels.config import config_from_dict, config_to_dict, default_config
-from flashtune.problem import Problem
+from tune_autotuner import problem_of_label
 
 KEYS = ("variant", "block_m", "block_n", "num_warps", "num_stages", "persistent",
         "tile_order", "pingpong", "dkdv_block_m", "dkdv_block_n", "dq_block_m", "dq_block_n")
@@ -31,14 +32,6 @@ KEYS = ("variant", "block_m", "block_n", "num_warps", "num_stages", "persistent"
 
 def _short(c: dict) -> str:
     return " ".join(f"{k}={c[k]}" for k in KEYS if k in c)
-
-
-def _problem(label: str) -> Problem:
-    parts = label.split()
-    val = {p[0]: int(p[1:]) for p in parts if p[0] in "BHSD" and p[1:].isdigit()}
-    return Problem(batch=val["B"], heads_q=val["H"], heads_kv=val["H"], seqlen_q=val["S"],
-                   seqlen_k=val["S"], head_dim=val["D"], dtype="bf16",
-                   causal="causal" in parts)
 
 
 def main(argv: list[str]) -> None:
@@ -49,7 +42,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     row = json.load(open(args.file))["rows"][args.row]
-    d, p = row["direction"], _problem(row["problem"])
+    d, p = row["direction"], problem_of_label(row["problem"])
     ok = sorted((t for t in row["tpe_trials_log"] if t["status"] == "ok"),
                 key=lambda t: t["value_ms"])
     cfgs: list[dict] = []
