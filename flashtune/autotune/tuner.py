@@ -29,13 +29,16 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
      measurement. While the next candidate still compiles, the search measures one
      that is built (a queued one, else a polishing point compiled ahead), so the GPU
      does not wait on the compiler. The worker makes the problem's gate case and
-     reference while the first candidate compiles.
+     reference while the first candidate compiles. While the other kernel family's
+     best trial (portable or Hopper) is within 10% of the incumbent, every other
+     polishing point is that point's neighbour instead
+     (:func:`~flashtune.autotune.candidates.rival`).
    The compile lookahead shrinks with a small trial budget: a sampler that proposes
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
 5. At the end the top-k distinct passing configs (and the heuristic default, if it
-   passed) are re-timed, interleaved, with more repetitions; the fastest is the
-   result and is written to the database.
+   passed, and the other kernel family's best within 10%) are re-timed, interleaved,
+   with more repetitions; the fastest is the result and is written to the database.
 
 The study lives in the tuning database (:mod:`.study`), each candidate written once with
 its outcome, so a second ``tune()`` of the same problem resumes it: stored trials are
