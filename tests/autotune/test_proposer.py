@@ -479,3 +479,47 @@ def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants()
     assert set(sources[n + 1:]) <= {"variant"}
     assert "prior" not in [s for _, s in _seed_configs(None, cpu, sw, PROBLEM, "bwd", BWD,
                                                          shipped=False)]
+
+
+def test_polishing_takes_turns_with_the_other_kernel_familys_best(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hopper incumbent, and a portable point 6% behind it whose neighbour is the
+    fastest of all: polishing that neighbour (in turn with the incumbent's) finds it;
+    polishing only the incumbent's family would not, within the budget."""
+    from flashtune.kernels.config import default_portable_fwd
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=8, heads_q=16, heads_kv=16, seqlen_q=1024, seqlen_k=1024, head_dim=64)
+    default = config_to_dict(default_config("fwd", p))
+    assert default["variant"] == config.HOPPER
+    portable = config_to_dict(default_portable_fwd(p))
+    best = {**portable, "block_n": portable["block_n"] // 2}
+
+    def landscape(cfg: dict[str, Any]) -> float:
+        if cfg == best:
+            return 0.9
+        if cfg["variant"] == config.HOPPER:  # a plateau around the default
+            return 1.0 if cfg == default else 1.0 + (_ms(cfg) - 1.0) / 20
+        return 1.06 if cfg == portable else 1.2 + _ms(cfg) / 10
+
+    class Worker(LogWorker):
+        def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+            if msg["op"] == "measure":
+                self.log.append(("measure", tuple(sorted(msg["config"].items()))))
+                ms = landscape(msg["config"])
+                return {"status": "ok", "median_ms": ms, "p20_ms": ms, "p80_ms": ms,
+                        "parts_ms": {}, "compile_s": 0.0, "max_error": 0.0, "ratio": 0.0}
+            if msg["op"] == "retime":
+                return {"status": "ok", "timings": [
+                    {"median_ms": landscape(c), "p20_ms": landscape(c),
+                     "p80_ms": landscape(c), "interpreter": False} for c in msg["configs"]]}
+            return super().request(msg, timeout)
+
+    session = LogSession()
+    session.worker = Worker(session.log, session.clock)  # type: ignore[assignment]
+    r = tune(p, "fwd", trials=14, storage="sqlite://", seed=3, session=session,
+             store=False, shipped_seeds=False)
+    measured = [dict(cfg) for kind, cfg in session.log if kind == "measure"]
+    assert portable in measured  # seeded: the portable kernel's own heuristic
+    assert best in measured
+    assert config_to_dict(r.config) == best
