@@ -202,8 +202,9 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
     database's and, with ``shipped``, the shipped layer's, nearest first), the prior
     points of the device's architecture (:func:`~flashtune.autotune.priors.prior_points`),
-    and last the default's tiles in each other kernel variant that may serve the problem.
-    Each is projected into ``space`` (points outside it are skipped)."""
+    and last the default's tiles in each other kernel variant that may serve the problem
+    (and, for a forward whose default is a Hopper kernel, the portable kernel's own
+    heuristic config). Each is projected into ``space`` (points outside it are skipped)."""
     from flashtune.db.storage import nearest_results
 
     out: list[tuple[dict[str, Any], str]] = []
