@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from tune_autotuner import problem_of_label
 
 from flashtune.autotune import TuneSession, tune
 from flashtune.kernels import config as kconfig
 from flashtune.kernels.config import BWD_ONE_LAUNCH, BwdConfig
-from flashtune.problem import Problem
 
 # Seconds, from the H200 logs (BENCHMARKS.md, issue 17): a one-launch backward compiles
 # in about 3.4 s; the other variants are taken at 1.5 s (the sweep's backward compiles
@@ -201,17 +201,6 @@ def simulated(session: Replay) -> Iterator[None]:
          kconfig.descriptor_reduce_support) = saved
 
 
-def problem_of(label: str) -> Problem:
-    """``B16 H32 S1024 D64 causal`` (the budget check's labels; H32/8 is read as GQA)."""
-    words = label.split()
-    heads = words[1][1:].split("/")
-    hq = int(heads[0])
-    return Problem(batch=int(words[0][1:]), heads_q=hq,
-                   heads_kv=int(heads[1]) if len(heads) > 1 else hq,
-                   seqlen_q=int(words[2][1:]), seqlen_k=int(words[2][1:]),
-                   head_dim=int(words[3][1:]), dtype="bf16", causal="causal" in words)
-
-
 def tables(path: Path) -> Iterator[tuple[str, str, dict[str, float],
                                          dict[str, dict[str, float]], float]]:
     """(run, problem label, config -> median of its measured times, config -> its
@@ -260,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         for run, label, table, parts, best in tables(path):
             session = Replay(table, parts)
             with simulated(session), tempfile.TemporaryDirectory() as tmp:
-                r = tune(problem_of(label), "bwd", time_budget=args.time_budget,
+                r = tune(problem_of_label(label), "bwd", time_budget=args.time_budget,
                          retime_rounds=0, session=session, shipped_seeds=False,
                          storage=Path(tmp) / "replay.db", store=False)
             gap = r.median_ms / best - 1

@@ -124,12 +124,14 @@ def _label(p: Problem) -> str:
 
 
 def problem_of_label(label: str) -> Problem:
-    """The problem a row's label names (its inverse, for bf16 problems with Hq = Hkv)."""
+    """The bf16 problem a row's label names (``B16 H32 S1024 D64 causal``; older files'
+    ``H32/8`` is read as 32 query heads over 8 key/value heads)."""
     words = label.split()
-    val = {w[0]: int(w[1:]) for w in words if w[0] in "BHSD" and w[1:].isdigit()}
-    return Problem(batch=val["B"], heads_q=val["H"], heads_kv=val["H"], seqlen_q=val["S"],
-                   seqlen_k=val["S"], head_dim=val["D"], dtype="bf16",
-                   causal="causal" in words)
+    val = {w[0]: w[1:] for w in words if w[0] in "BHSD"}
+    heads = [int(h) for h in val["H"].split("/")]
+    return Problem(batch=int(val["B"]), heads_q=heads[0], heads_kv=heads[-1],
+                   seqlen_q=int(val["S"]), seqlen_k=int(val["S"]), head_dim=int(val["D"]),
+                   dtype="bf16", causal="causal" in words)
 
 
 def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]],
