@@ -165,14 +165,15 @@ def _snap_default(space: SearchSpace, direction: str) -> None:
 
 def _landscapes(files: list[dict[str, Any]]) -> dict[str, Any]:
     """One landscape set from files of either form: a recorded landscape file, or the
-    rows of ``tune_autotuner.py quality`` (each row's exhaustive search is a landscape)."""
+    rows of ``tune_autotuner.py quality`` (each row's exhaustive search is a landscape;
+    a data file's earlier run of the same rows, under ``before``, is read too)."""
     out: dict[str, Any] = {"grids": {}, "landscapes": []}
     for data in files:
         out["grids"].update(data["grids"])
         if "landscapes" in data:
             out["landscapes"] += data["landscapes"]
             continue
-        for row in data["rows"]:
+        for row in data.get("before", []) + data["rows"]:
             out["landscapes"].append({
                 "direction": row["direction"], "label": row["problem"],
                 "problem": problem_of_label(row["problem"]).as_dict(),

@@ -120,12 +120,13 @@ def _env_info() -> dict[str, Any]:
 
 
 def _label(p: Problem) -> str:
-    return f"B{p.batch} H{p.heads_q} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
+    heads = f"{p.heads_q}/{p.heads_kv}" if p.heads_kv != p.heads_q else f"{p.heads_q}"
+    return f"B{p.batch} H{heads} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
 
 
 def problem_of_label(label: str) -> Problem:
-    """The bf16 problem a row's label names (``B16 H32 S1024 D64 causal``; older files'
-    ``H32/8`` is read as 32 query heads over 8 key/value heads)."""
+    """The bf16 problem a row's label names (:func:`_label`'s inverse: ``B16 H32 S1024 D64
+    causal``; ``H32/8`` is 32 query heads over 8 key/value heads)."""
     words = label.split()
     val = {w[0]: w[1:] for w in words if w[0] in "BHSD"}
     heads = [int(h) for h in val["H"].split("/")]

@@ -57,12 +57,11 @@ def rival(direction: str, done: Mapping[tuple[Any, ...], Any], best_params: Para
     mine = family(direction, best_params)
     out, out_ms = {}, math.inf
     for key, t in done.items():
-        value = getattr(t, "value", None)
-        if value is None or getattr(getattr(t, "state", None), "name", "") != "COMPLETE":
+        if t.state.name != "COMPLETE" or t.value is None:
             continue
         params = dict(key)
-        if family(direction, params) != mine and value < out_ms:
-            out, out_ms = params, float(value)
+        if family(direction, params) != mine and t.value < out_ms:
+            out, out_ms = params, float(t.value)
     return out if out_ms <= (1 + RIVAL_MARGIN) * best_ms else {}
 
 

@@ -18,6 +18,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from flashtune.autotune import candidates
@@ -576,10 +577,8 @@ class Search:
         wanted = self._upcoming(centre)
         other = self._rival() if self.best_params else {}
         if other:  # polishing takes turns with the other family's best: so does compiling
-            theirs = self._upcoming(other)
-            wanted = [p for pair in zip(wanted, theirs, strict=False) for p in pair] \
-                + wanted[len(theirs):] + theirs[len(wanted):]
-            wanted = list({sig(p): p for p in wanted}.values())[:PREFETCH]
+            pairs = zip_longest(wanted, self._upcoming(other))
+            wanted = list({sig(p): p for pair in pairs for p in pair if p}.values())[:PREFETCH]
         self.wanted = wanted
         keys = {sig(p) for p in wanted} | {sig(p) for _, p, _, _ in self.pending}
         for key in [k for k, f in self.compiles.items() if k not in keys and f.cancel()]:

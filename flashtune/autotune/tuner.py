@@ -355,7 +355,7 @@ def _outcomes(search: Search) -> tuple[list[Any], list[Any], int, int]:
 
 
 def _finalists(space: SearchSpace, ok: list[Any], default_params: dict[str, Any],
-               top_k: int, direction: str = "fwd") -> list[Any]:
+               top_k: int, direction: str) -> list[Any]:
     """The top-k distinct passing trials; the other kernel family's best trial, if within
     :data:`~flashtune.autotune.candidates.RIVAL_MARGIN` of the best (the families rank
     differently in short timings and in the re-timing's longer ones); and the heuristic
