@@ -202,6 +202,68 @@ def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     return Timing(med, p20, p80), [_quantiles(x)[0] for x in per]
 
 
+def _turns(n: int, k: int) -> list[int]:
+    """The launch order of :func:`time_interleaved`: ``n`` cycles through ``k`` launches,
+    in alternating direction (0 1 2, 2 1 0, 0 1 2, ...)."""
+    fwd = list(range(k))
+    return [i for c in range(n) for i in (fwd if c % 2 == 0 else fwd[::-1])]
+
+
+def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
+                     rep_ms: float = 100, rounds: int = 1, cpu_reps: int = 3) -> list[Timing]:
+    """Time several launches against one another, in one loop that takes them in turn
+    (0 1 2, 2 1 0, 0 1 2, ...), each with L2 flushed before it and CUDA events around it.
+
+    Timed one after another, even in five alternating rounds, four copies of one kernel
+    read up to 7% apart on an H200: its clocks sag as a sustained load meets the power
+    limit (the launches slow by 1% to 10% over the first 125 ms, by kernel), then dip
+    again at moments that recur with the load's age. Interleaved launch by launch,
+    every candidate meets the same clocks. Each launch gets ``warmup_ms`` of warm-up
+    and ``rounds`` x ``rep_ms`` of timed repetitions, by the estimate of a first cycle,
+    as :func:`time_fn` gives one launch. Returns each one's median, p20 and p80 over its
+    own launches; under the CPU interpreter, host-clock timings of ``cpu_reps`` cycles,
+    labelled so."""
+    if not fns:
+        raise ValueError("time_interleaved needs at least one launch")
+    k = len(fns)
+    for f in fns:
+        f()
+    if not torch.cuda.is_available():
+        times: list[list[float]] = [[] for _ in fns]
+        for i in _turns(max(cpu_reps, 1), k):
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append((time.perf_counter() - t0) * 1e3)
+        return [Timing(*_quantiles(ts), interpreter=True) for ts in times]
+
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for i in _turns(2, k):
+        flush.zero_()
+        fns[i]()
+    t1.record()
+    torch.cuda.synchronize()
+    per_launch = max(t0.elapsed_time(t1) / (2 * k), 1e-3)  # flush included, as do_bench's
+    for i in _turns(max(1, int(warmup_ms / per_launch)), k):
+        flush.zero_()
+        fns[i]()
+    order = _turns(max(1, int(max(rounds, 1) * rep_ms / per_launch)), k)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in order]
+    for i, (a, b) in zip(order, events, strict=True):
+        flush.zero_()
+        a.record()
+        fns[i]()
+        b.record()
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for i, (a, b) in zip(order, events, strict=True):
+        times[i].append(a.elapsed_time(b))
+    return [Timing(*_quantiles(ts)) for ts in times]
+
+
 def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
                   warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, Timing]:
     """{'fwd': training forward, 'bwd': (fwd+bwd) - fwd, 'infer': inference forward}."""

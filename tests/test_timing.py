@@ -1,12 +1,16 @@
-"""The house protocol's timing helpers (the CPU branch; on CUDA the same arguments go to
-``triton.testing.do_bench``)."""
+"""The house protocol's timing helpers: their CPU branch (on CUDA ``time_fn``'s arguments
+go to ``triton.testing.do_bench``), and the interleaved re-timing, on a GPU too."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
+from flashtune.autotune.measure import retime
 from flashtune.problem import Problem
-from flashtune.timing import three_timings, time_fn
+from flashtune.timing import Timing, three_timings, time_fn, time_interleaved
 
 
 def test_time_fn_resets_the_named_grads_before_each_call() -> None:
@@ -37,3 +41,59 @@ def test_the_backward_timing_stores_gradients_instead_of_adding_them() -> None:
     t = three_timings(attn, p, "cpu")
     assert set(t) == {"fwd", "bwd", "infer"} and t["bwd"].median_ms > 0
     assert grads_before_call and all(grads_before_call)
+
+
+def test_time_interleaved_takes_turns_and_times_each_launch_as_its_own() -> None:
+    calls: list[int] = []
+
+    def launch(i: int, sleep_ms: float = 0.0):
+        def f() -> None:
+            calls.append(i)
+            if sleep_ms:
+                time.sleep(sleep_ms / 1e3)
+        return f
+
+    ts = time_interleaved([launch(0), launch(1, sleep_ms=3), launch(2)], cpu_reps=3)
+    # one untimed call each, then three cycles in alternating direction
+    assert calls == [0, 1, 2, 0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert len(ts) == 3 and all(t.interpreter for t in ts)
+    assert ts[1].p20_ms >= 3.0  # the sleeping launch's own times, not its neighbours'
+    assert ts[1].p20_ms <= ts[1].median_ms <= ts[1].p80_ms
+    with pytest.raises(ValueError, match="at least one"):
+        time_interleaved([])
+
+
+class _Bench:
+    """Records what retime asks of a measuring bench."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def launch(self, direction: str, config: str):
+        return lambda: self.log.append(("launch", config))
+
+    def time(self, direction: str, config: str, **timing: object) -> Timing:
+        self.log.append(("time", config))
+        return Timing(1.0, 0.9, 1.1)
+
+
+def test_retime_interleaves_launches_under_the_house_protocol() -> None:
+    b = _Bench()
+    ts = retime(b, "fwd", ["a", "b"], rounds=3, cpu_reps=2)  # type: ignore[arg-type]
+    assert len(ts) == 2
+    assert b.log == [("launch", c) for c in "ab" "ab" "ba"]
+    # the search's adaptive timing (a confirmation) times each config in turn
+    b = _Bench()
+    retime(b, "fwd", ["a", "b"], rounds=3, rel_tol=0.01)  # type: ignore[arg-type]
+    assert b.log == [("time", c) for c in "ab" "ba" "ab"]
+
+
+@pytest.mark.gpu
+def test_time_interleaved_on_a_gpu_agrees_with_itself_and_scales_with_the_work() -> None:
+    """Two copies of one launch read alike; a launch of twice the work reads about twice
+    as long (each gets its own events, whatever its neighbours do)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    one, same, double = time_interleaved([lambda: a @ a, lambda: a @ a, lambda: b @ a])
+    assert abs(same.median_ms / one.median_ms - 1) < 0.03
+    assert 1.6 < double.median_ms / one.median_ms < 2.4

@@ -30,7 +30,14 @@ import torch
 
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 from flashtune.problem import Problem, default_scale
-from flashtune.timing import Timing, make_inputs, packed_layout, time_fn, time_parts
+from flashtune.timing import (
+    Timing,
+    make_inputs,
+    packed_layout,
+    time_fn,
+    time_interleaved,
+    time_parts,
+)
 
 # The gate materialises fp32 scores of size B*Hq*Sq*Sk (in slices, once per problem and
 # direction). Above this many score elements it runs on a problem with fewer batches and
@@ -190,6 +197,23 @@ class Bench:
         det = self.problem.deterministic
         return lambda: bwd_mod.attn_bwd(*args, config=cfg, deterministic=det, **kw)
 
+    def launch(self, direction: str, config: FwdConfig | BwdConfig) -> Callable[[], None]:
+        """A zero-argument launch of exactly what :meth:`time_with_parts` times: the
+        forward, or the backward's launches back to back (buffers made once)."""
+        if direction == "fwd":
+            return self.fn(direction, config)
+        from flashtune.kernels.attn_bwd import bwd_steps
+
+        cfg: Any = config
+        _, steps = bwd_steps(*self._bwd_args(), config=cfg,
+                             deterministic=self.problem.deterministic, **self.kw)
+
+        def whole() -> None:
+            for _, f in steps:
+                f()
+
+        return whole
+
     def time(self, direction: str, config: FwdConfig | BwdConfig, **timing: Any) -> Timing:
         """The timing of ``config`` (keywords of :meth:`time_with_parts`)."""
         return self.time_with_parts(direction, config, **timing)[0]
@@ -290,10 +314,17 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
 
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,
            rounds: int = 5, **timing: Any) -> list[Timing]:
-    """Time each config ``rounds`` times, interleaved and in alternating order
-    (c0 c1 c2, c2 c1 c0, c0 c1 c2, ...), so drift in clocks or temperature, and any
-    effect of going first or last, hits every candidate alike. Returns the median
-    over rounds. ``timing``: keywords of :meth:`Bench.time_with_parts`."""
+    """Time the configs against one another. With the house protocol (no ``rel_tol``),
+    their launches are interleaved in one loop (:func:`flashtune.timing.time_interleaved`,
+    ``rounds`` x ``rep_ms`` of repetitions each), so that the GPU's clocks, which drift
+    and dip under a sustained load, meet every candidate alike. With the search's
+    adaptive timing (a new incumbent's confirmation), each is timed in turn, ``rounds``
+    times in alternating order, and keeps the median. ``timing``: keywords of
+    :meth:`Bench.time_with_parts`."""
+    if timing.get("rel_tol") is None:
+        kw = {k: timing[k] for k in ("warmup_ms", "rep_ms", "cpu_reps") if k in timing}
+        return time_interleaved([bench.launch(direction, c) for c in configs],
+                                 rounds=rounds, **kw)
     per: list[list[Timing]] = [[] for _ in configs]
     for r in range(max(rounds, 1)):
         order = list(enumerate(configs))
