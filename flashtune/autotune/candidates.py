@@ -7,7 +7,10 @@ ask for them (see :mod:`flashtune.autotune.tuner`).
   fields, put together, when predicted faster than the incumbent (the launches run one
   after another, so their times add up; see :meth:`SearchSpace.compose`).
 - :func:`polish_point`: the incumbent's nearest untried feasible neighbour, one field
-  moved to an adjacent choice, else two. For a backward incumbent that runs as separate
+  moved to an adjacent choice, else two; among those, the move of the fields polished
+  least so far in the search (each new incumbent would otherwise restart at the first
+  field, and the last ones, such as the register cap or the ping-pong schedule, went
+  unpolished in short searches). For a backward incumbent that runs as separate
   launches (:func:`by_launch`), each launch's fields move at once, around the best
   measured setting of that launch, since each launch is timed on its own.
 - :func:`rival`: the best measured point of the other kernel family (portable Triton or
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flashtune.autotune.space import SearchSpace
@@ -80,6 +83,7 @@ class Seen:
     part_times: Mapping[tuple[Any, ...], PartTimes]  # backward: each launch's time
     best_params: Params  # the incumbent ({} before the first passing candidate)
     queued: list[Params]  # asked for, not measured yet
+    moved: Mapping[str, int] = field(default_factory=dict)  # polishing moves per field
 
 
 def usable(seen: Seen, cand: Params) -> bool:
@@ -153,7 +157,20 @@ def polish_point(seen: Seen, skipped: set[tuple[Any, ...]]) -> Params | None:
             if cand is not None:
                 return cand
         among = seen.space.shared if split else None
-        for cand in seen.space.neighbours(seen.best_params, radius, among=among):
+        near = seen.space.neighbours(seen.best_params, radius, among=among)
+        if seen.moved:  # the fields polished least so far first (a stable sort)
+            near.sort(key=lambda c: sum(seen.moved.get(n, 0)
+                                        for n in moves(seen.space, seen.best_params, c)))
+        for cand in near:
             if usable(seen, cand):
                 return cand
     return None
+
+
+def moves(space: SearchSpace, centre: Params, point: Params) -> tuple[str, ...]:
+    """The fields ``point`` moves away from ``centre``: ("variant",) for another kernel
+    (whose knobs it does not share go back to their defaults), else each field changed."""
+    a, b = space.complete(centre), space.complete(point)
+    if a.get("variant") != b.get("variant"):
+        return ("variant",)
+    return tuple(n for n in space.fields if a.get(n) != b.get(n))

@@ -129,6 +129,7 @@ class Search:
         self.compile_s = 0.0
         self.wanted: list[Params] = []  # the next polishing points (see _prefetch)
         self.polish_turns = 0  # polishing points asked for (see _priority_point)
+        self.moved: Counter[str] = Counter()  # polishing moves asked for, per field
         self.pool_s0 = session.pool.busy_seconds if session.pool is not None else 0.0
         self._load_tallies()
         # From here on, polishing candidates go before the sampler's picks: after the
@@ -224,7 +225,7 @@ class Search:
 
     def _seen(self) -> Seen:
         return Seen(self.s.space, self.problem, self.done, self.part_times, self.best_params,
-                    [p for _, p, _, _ in self.pending])
+                    [p for _, p, _, _ in self.pending], self.moved)
 
     def _priority_point(self) -> tuple[Params, str] | None:
         """A recombined or polishing candidate, if there is one now (not while a
@@ -240,17 +241,19 @@ class Search:
                 or self.measured < self.polish_from:
             return None
         seen = self._seen()
-        point = None
+        point, centre = None, seen.best_params
         if self.polish_turns % 2:  # every other turn, the other kernel family's best
             other = self._rival()
             if other:
                 point = candidates.polish_point(replace(seen, best_params=other),
                                                 self.skipped_parts)
+                centre = other
         if point is None:
-            point = candidates.polish_point(seen, self.skipped_parts)
+            point, centre = candidates.polish_point(seen, self.skipped_parts), seen.best_params
         if point is None:
             return None
         self.polish_turns += 1
+        self.moved.update(candidates.moves(self.s.space, centre, point))
         return point, "polish"
 
     def _rival(self) -> Params:
@@ -537,12 +540,14 @@ class Search:
         space, problem = self.s.space, self.problem
         queued = [p for _, p, _, _ in self.pending]
         out: dict[tuple[Any, ...], Params] = {}
+        moved = Counter(self.moved)  # as polishing will count them, one point after another
         for _ in range(PREFETCH):
             seen = Seen(space, problem, self.done, self.part_times, centre,
-                        queued + list(out.values()))
+                        queued + list(out.values()), moved)
             point = candidates.polish_point(seen, self.skipped_parts)
             if point is None:
                 break
+            moved.update(candidates.moves(space, centre, point))
             params = space.complete({n: point[n] for n in space.active(point)})
             out[sig(params)] = params
         return list(out.values())

@@ -24,7 +24,9 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    is full):
    - recombined, once the sampler's random start-up trials are in;
    - polishing, after the first 40% of a trial budget, or with only a time budget as
-     soon as the warm-start seeds are measured. The next few polishing points compile
+     soon as the warm-start seeds are measured; it moves first the fields it has moved
+     least so far in the search, so a new incumbent does not restart at the first
+     field. The next few polishing points compile
      ahead of their turn on the pool's idle workers, re-planned before every
      measurement. While the next candidate still compiles, the search measures one
      that is built (a queued one, else a polishing point compiled ahead), so the GPU
@@ -37,8 +39,11 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
 5. At the end the top-k distinct passing configs (and the heuristic default, if it
-   passed, and the other kernel family's best within 10%) are re-timed, interleaved,
-   with more repetitions; the fastest is the result and is written to the database.
+   passed, and the other kernel family's best within 10%) are re-timed against one
+   another, their launches interleaved (:func:`flashtune.timing.time_interleaved`: the
+   GPU's clocks drift under load, and timed one after another the same config read up to
+   7% apart), with more repetitions; the fastest is the result and is written to the
+   database.
 
 The study lives in the tuning database (:mod:`.study`), each candidate written once with
 its outcome, so a second ``tune()`` of the same problem resumes it: stored trials are

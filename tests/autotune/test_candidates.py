@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashtune.autotune.candidates import Seen, compose_point, polish_point, sig, usable
+from flashtune.autotune.candidates import (
+    Seen,
+    compose_point,
+    moves,
+    polish_point,
+    sig,
+    usable,
+)
 from flashtune.autotune.space import SearchSpace
-from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
+from flashtune.kernels.config import FwdConfig, config_to_dict, default_bwd, default_fwd
 from flashtune.problem import Problem
 
 P = Problem(batch=2, heads_q=4, heads_kv=4, seqlen_q=128, seqlen_k=128, head_dim=64)
@@ -125,3 +132,20 @@ def test_the_final_retiming_takes_the_other_familys_best_within_the_margin() -> 
         assert len(picked) == 3 + joins
         # With no final re-timing (top_k 1) the fastest trial stands alone.
         assert [t.params for t in _finalists(space, ok, default, 1, "fwd")] == hoppers[:1]
+
+
+def test_polishing_moves_the_least_polished_fields_first() -> None:
+    """Each new incumbent would otherwise restart at the first field: the order follows
+    the moves the search has made so far, whatever the centre."""
+    space = SearchSpace.full("fwd").restrict(variant=0)
+    p = Problem(batch=2, heads_q=4, heads_kv=4, seqlen_q=512, seqlen_k=512, head_dim=64)
+    centre = config_to_dict(FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))
+    seen = Seen(space, p, {}, {}, centre, [])
+    first = polish_point(seen, set())
+    assert first is not None and moves(space, centre, first) == ("block_m",)
+    moved = {"block_m": 2, "block_n": 2, "num_warps": 1}
+    point = polish_point(Seen(space, p, {}, {}, centre, [], moved), set())
+    assert point is not None
+    (field,) = moves(space, centre, point)
+    assert field not in moved
+    assert moves(space, centre, {**centre, "variant": 1}) == ("variant",)
