@@ -216,7 +216,7 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
 
     Timed one after another, even in five alternating rounds, four copies of one kernel
     read up to 7% apart on an H200: its clocks sag as a sustained load meets the power
-    limit (the launches slow by 1% to 10% over the first 125 ms, by kernel), then dip
+    limit (the launches slow by up to 10% over the first 125 ms, by kernel), then dip
     again at moments that recur with the load's age. Interleaved launch by launch,
     every candidate meets the same clocks. Each launch gets ``warmup_ms`` of warm-up
     and ``rounds`` x ``rep_ms`` of timed repetitions, by the estimate of a first cycle,
