@@ -18,8 +18,8 @@
   then re-times its fastest points side by side (3 rounds) to pick its winner. (Through
   the tuner's grid sampler, one problem's 153 points took 195 s on the H100, 12% of it
   compiling on the search's path.) "gap" is the tuner's winner over the exhaustive one: zero
-  when both are the same config, else from re-timing both side by side (9 rounds,
-  alternating order); "sweep" is the same ratio read off the exhaustive timings.
+  when both are the same config, else from re-timing both side by side (9 rounds' worth,
+  their launches interleaved); "sweep" is the same ratio read off the exhaustive timings.
 - vs-default: every standard-matrix shape, forward and backward: a tune with a trial
   or time budget, then the winner and the heuristic default re-timed interleaved.
 - cost: where a trial's wall time goes, with the tuner's own timing settings, one
@@ -31,7 +31,7 @@
 - budget: eight standard-matrix shapes (COST_PROBLEMS and more), forward and backward,
   in one warmed session (as a sweep's): a tune with --time-budget S and one with --factor
   times S, then both winners
-  re-timed side by side (9 rounds, alternating); "gap" is the short search's winner
+  re-timed side by side (9 rounds' worth, interleaved); "gap" is the short search's winner
   over the long one's. Each search's measured trials are kept (``*_trials_log``), for
   replaying on a CPU where the short search went, and the seconds of the worker's
   setup of the problem (``*_prepare``: the backward's forward, the gate case).
@@ -62,7 +62,8 @@ from flashtune.problem import Problem
 from flashtune.timing import geomean, standard_matrix
 
 # Search-timing protocol for every trial (do_bench median, L2 flushed); the final
-# re-timing uses the house defaults (25 ms warmup, 100 ms of repetitions) x rounds.
+# re-timing uses the house defaults (25 ms warmup, 100 ms of repetitions) x rounds, the
+# candidates' launches interleaved (flashtune.autotune.measure.retime).
 # Sub-grids: the fields named vary; every other knob stays at its config default.
 TIMING = {"warmup_ms": 10, "rep_ms": 40}
 # The searches measured here start from the default, without the shipped layer's winners

@@ -6,7 +6,8 @@
 Reads one row of a ``tune_autotuner.py quality`` file: the exhaustive search's winner,
 the tuner's winner and the tuner's three fastest trials (its finalists, as ``tune``
 picks them, with the default). Re-times that set ``--repeats`` times with the tuner's
-final protocol (``retime``, house timing, ``--rounds`` rounds alternating order), and
+final protocol (``retime``: house timing, ``--rounds`` rounds' worth, launches
+interleaved since session 17; in alternating rounds before), and
 each config alone with the search's trial timing, in one process. Prints each
 config's medians per repeat and the winner of each repeat: if the winner changes from
 one repeat to the next, the final re-timing cannot separate these configs.

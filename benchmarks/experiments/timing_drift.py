@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
     data = json.load(open(args.file))
     report: list[dict[str, Any]] = []
     smi = _Smi()
-    marks: list[tuple[str, str, float, float, float]] = []  # row, config, wall from, to
+    marks: list[tuple[str, str, float, float]] = []  # row, config, wall from, to
     for ri in args.rows:
         row = data["rows"][ri]
         d, p = row["direction"], problem_of_label(row["problem"])
@@ -152,13 +152,14 @@ def main(argv: list[str]) -> None:
             for n, f in fns.items():
                 time.sleep(args.idle_s)
                 wall0, tl = _timeline(f, args.span_ms)
-                marks.append((row["problem"], n, wall0, wall0 + tl[-1][0] / 1e3, 0.0))
+                marks.append((row["problem"], n, wall0, wall0 + tl[-1][0] / 1e3))
                 lines[n].append([statistics.median([ms for t, ms in tl if lo <= t < hi] or
                                                    [float("nan")]) for lo, hi in WINDOWS])
         entry: dict[str, Any] = {"direction": d, "problem": row["problem"], "configs": cfgs,
                                  "windows_ms": WINDOWS, "timeline": {}}
-        print(f"  {'config':16} " + " ".join(f"{f'{lo}-{hi}':>9}" for lo, hi in WINDOWS)
-              + "   (median launch ms per window since the load began; then / 200-400)")
+        if not args.positions_only:
+            print(f"  {'config':16} " + " ".join(f"{f'{lo}-{hi}':>9}" for lo, hi in WINDOWS)
+                  + "   (median launch ms per window since the load began; then / 200-400)")
         for n, reps in lines.items():
             if not reps:
                 continue
@@ -197,7 +198,7 @@ def main(argv: list[str]) -> None:
         del bench, fns, objs
         torch.cuda.empty_cache()
     samples = smi.samples()
-    if samples:
+    if samples and marks:
         print("\nnvidia-smi per timeline window (SM MHz / W), median over repeats:")
         for prob in dict.fromkeys(m[0] for m in marks):
             for n in dict.fromkeys(m[1] for m in marks if m[0] == prob):
