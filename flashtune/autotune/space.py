@@ -44,6 +44,14 @@ Config = FwdConfig | BwdConfig
 # straight to the one-launch one, which the variant between them, atomic dQ, cannot stand
 # in for on a deterministic problem).
 UNORDERED = frozenset({"variant", "tile_order"})
+# Fields whose effects depend on each other, so that moving both at once is one step
+# (:meth:`SearchSpace.neighbours`): the tile order means another walk on a persistent grid
+# (each SM's tiles) than on one program per tile (the launch order). On the H200 a causal
+# forward (B16 H16 S1000 D128) ran 2.1% faster on a persistent grid in order 2 than a 12 s
+# search's winner (one program per tile, order 1), and each move alone was slower in its
+# trials (+3% and +15%), so that search, stepping one field at a time, never tried it
+# (BENCHMARKS.md, issue 17).
+COUPLED = (("persistent", "tile_order"),)
 
 
 @dataclass(frozen=True)
@@ -174,14 +182,18 @@ class SearchSpace:
         default all) each moved to an adjacent choice (choices are ordered as declared,
         e.g. increasing block sizes). For a field whose choices are names, not sizes
         (:data:`UNORDERED`: the kernel variant, the tile order), every other choice is one
-        step away."""
+        step away. Both fields of a :data:`COUPLED` pair moved together count as one
+        step; those points follow the single moves."""
         live = set(self.active(params))
         default = CONFIG_TYPES[self.direction]()
         base = {n: params.get(n, getattr(default, n)) for n, _ in self.choices}
         names = [n for n, vals in self.choices if len(vals) > 1 and base[n] in vals
                  and n in live and (among is None or n in among)]
+        groups: list[tuple[str, ...]] = list(itertools.combinations(names, radius))
+        if radius == 1:  # a coupled pair moves as one step too, after the single moves
+            groups += [pair for pair in COUPLED if all(n in names for n in pair)]
         out = []
-        for moved in itertools.combinations(names, radius):
+        for moved in groups:
             steps = []
             for n in moved:
                 vals = self.fields[n]

@@ -85,6 +85,30 @@ def test_neighbours_move_one_field_one_step() -> None:
     assert [(n["block_m"], n["num_warps"]) for n in only] == [(64, 8)]
 
 
+def test_a_coupled_pair_moves_as_one_step_after_the_single_moves() -> None:
+    from flashtune.kernels.config import HOPPER
+
+    space = SearchSpace.subgrid("fwd", variant=(HOPPER,), persistent=(0, 1),
+                                tile_order=(0, 1, 2), pingpong=(0, 1))
+    point = space.project({"variant": HOPPER, "persistent": 0, "tile_order": 1})
+    assert point is not None
+
+    def moved(n: dict) -> tuple:
+        return n["persistent"], n["tile_order"], n["pingpong"]
+
+    nbrs = [moved(n) for n in space.neighbours(point)]
+    singles = {(1, 1, 0), (0, 0, 0), (0, 2, 0), (0, 1, 1)}
+    assert set(nbrs[:4]) == singles  # the single moves come first
+    assert set(nbrs[4:]) == {(1, 0, 0), (1, 2, 0)}  # then the pair, both fields moved
+    # Radius 2 is unchanged: any two fields, the pair among them.
+    two = {moved(n) for n in space.neighbours(point, radius=2)}
+    assert {(1, 0, 0), (1, 2, 0), (1, 1, 1), (0, 0, 1), (0, 2, 1)} == two
+    # A pair with a field held fixed (or unused by the kernel) is no step.
+    pinned = SearchSpace.subgrid("fwd", variant=(HOPPER,), persistent=(0, 1), pingpong=(0, 1))
+    p2 = pinned.project({"variant": HOPPER})
+    assert p2 is not None and len(pinned.neighbours(p2)) == 2
+
+
 def test_parts_group_the_backward_fields_by_launch() -> None:
     assert SearchSpace.full("fwd").parts == {}
     parts = SearchSpace.full("bwd").parts
