@@ -39,11 +39,17 @@ from flashtune.problem import Problem
 
 Config = FwdConfig | BwdConfig
 
-# Fields whose choices name kinds rather than sizes: their declared order means nothing,
-# so a polishing move may go from any choice to any other (from the two-kernel backward
-# straight to the one-launch one, which the variant between them, atomic dQ, cannot stand
-# in for on a deterministic problem).
-UNORDERED = frozenset({"variant", "tile_order"})
+# Fields whose declared order is no path a polishing walk can follow, so a move may go
+# from any choice to any other:
+# - the variant and the tile order name kinds, not sizes (from the two-kernel backward
+#   straight to the one-launch one, which the variant between them, atomic dQ, cannot
+#   stand in for on a deterministic problem);
+# - the register cap: 0 (the compiler's choice) is declared first, beside the tightest
+#   cap (128), and the time is not unimodal in the cap. On the H200 the 60 s backward
+#   searches ended on caps of 168-255 on 5 of 8 problems (one at +2.5% over a 12 s
+#   search that never left 0), and a 12 s forward search gained 7% at 128
+#   (BENCHMARKS.md, issue 17).
+UNORDERED = frozenset({"variant", "tile_order", "maxnreg"})
 # Fields whose effects depend on each other, so that moving both at once is one step
 # (:meth:`SearchSpace.neighbours`): the tile order means another walk on a persistent grid
 # (each SM's tiles) than on one program per tile (the launch order). On the H200 a causal
@@ -180,10 +186,10 @@ class SearchSpace:
                    among: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Points ``radius`` steps away from ``params``: that many fields (of ``among``,
         default all) each moved to an adjacent choice (choices are ordered as declared,
-        e.g. increasing block sizes). For a field whose choices are names, not sizes
-        (:data:`UNORDERED`: the kernel variant, the tile order), every other choice is one
-        step away. Both fields of a :data:`COUPLED` pair moved together count as one
-        step; those points follow the single moves."""
+        e.g. increasing block sizes). For a field whose order is no path
+        (:data:`UNORDERED`: the kernel variant, the tile order, the register cap), every
+        other choice is one step away. Both fields of a :data:`COUPLED` pair moved
+        together count as one step; those points follow the single moves."""
         live = set(self.active(params))
         default = CONFIG_TYPES[self.direction]()
         base = {n: params.get(n, getattr(default, n)) for n, _ in self.choices}

@@ -114,7 +114,7 @@ def test_the_backwards_portable_variants_are_one_family() -> None:
 
 def test_the_final_retiming_takes_the_other_familys_best_within_the_margin() -> None:
     from flashtune.autotune.candidates import RIVAL_MARGIN
-    from flashtune.autotune.tuner import _finalists
+    from flashtune.autotune.tuner import NEAR_TIE, _finalists
     from flashtune.kernels.config import FwdConfig
 
     space = SearchSpace.full("fwd")
@@ -124,14 +124,41 @@ def test_the_final_retiming_takes_the_other_familys_best_within_the_margin() -> 
     portable = config_to_dict(FwdConfig(block_m=64, block_n=64, num_stages=3))
     default = config_to_dict(FwdConfig(block_m=128, block_n=64, num_stages=3))
     for lag, joins in ((RIVAL_MARGIN / 2, True), (2 * RIVAL_MARGIN, False)):
-        ok = [_trial(h, 1.0 + 0.001 * i) for i, h in enumerate(hoppers)]
+        # The fourth Hopper trial lies past the near ties: the top 3 are the finalists.
+        ok = [_trial(h, 1.0 + 0.001 * i) for i, h in enumerate(hoppers[:3])]
+        ok.append(_trial(hoppers[3], 1.0 + 2 * NEAR_TIE))
         ok.append(_trial(portable, 1.0 + lag))
+        ok.sort(key=lambda t: t.value)
         picked = [t.params for t in _finalists(space, ok, default, 3, "fwd")]
         assert picked[:3] == hoppers[:3]
         assert (portable in picked) == joins
         assert len(picked) == 3 + joins
         # With no final re-timing (top_k 1) the fastest trial stands alone.
         assert [t.params for t in _finalists(space, ok, default, 1, "fwd")] == hoppers[:1]
+
+
+def test_the_final_retiming_takes_the_near_ties_up_to_a_limit() -> None:
+    from flashtune.autotune.tuner import NEAR_TIE, NEAR_TIE_MAX, _finalists
+    from flashtune.kernels.config import FwdConfig
+
+    space = SearchSpace.full("fwd")
+    points = [config_to_dict(FwdConfig(variant=1, block_m=128, block_n=128, num_stages=s,
+                                       consumer_regs=r, pingpong=pp))
+              for s in (2, 3) for r in (232, 240) for pp in (0, 1)]
+    default = config_to_dict(FwdConfig(block_m=128, block_n=64, num_stages=3))
+    # Two near ties past the top 3, then one just outside the margin.
+    times = [1.0, 1.005, 1.01, 1.02, 1.035, 1.0 + 1.2 * NEAR_TIE]
+    ok = [_trial(p, t) for p, t in zip(points, times, strict=False)]
+    picked = [t.params for t in _finalists(space, ok, default, 3, "fwd")]
+    assert picked == points[:5]
+    # Many near ties: no more than NEAR_TIE_MAX finalists (the default aside).
+    ok = [_trial(p, 1.0 + 0.001 * i) for i, p in enumerate(points)]
+    picked = [t.params for t in _finalists(space, ok, default, 3, "fwd")]
+    assert picked == points[:NEAR_TIE_MAX] and NEAR_TIE_MAX < len(points)
+    # A larger top-k still takes its k, ties or not.
+    ok = [_trial(p, 1.0 + 0.1 * i) for i, p in enumerate(points)]
+    assert len(_finalists(space, ok, default, 4, "fwd")) == 4
+    assert len(_finalists(space, ok, default, 3, "fwd")) == 3
 
 
 def test_polishing_moves_the_least_polished_fields_first() -> None:

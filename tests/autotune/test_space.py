@@ -109,6 +109,18 @@ def test_a_coupled_pair_moves_as_one_step_after_the_single_moves() -> None:
     assert p2 is not None and len(pinned.neighbours(p2)) == 2
 
 
+def test_every_register_cap_is_one_step_from_the_compilers_choice() -> None:
+    space = SearchSpace.subgrid("bwd", maxnreg=(0, 128, 168, 200, 232, 255))
+    point = space.project({"maxnreg": 0})
+    assert point is not None
+    caps = sorted(n["maxnreg"] for n in space.neighbours(point))
+    assert caps == [128, 168, 200, 232, 255]
+    # A move never lands on the point itself, whatever the cap.
+    mid = space.project({"maxnreg": 200})
+    assert mid is not None and sorted(n["maxnreg"] for n in space.neighbours(mid)) == \
+        [0, 128, 168, 232, 255]
+
+
 def test_parts_group_the_backward_fields_by_launch() -> None:
     assert SearchSpace.full("fwd").parts == {}
     parts = SearchSpace.full("bwd").parts
