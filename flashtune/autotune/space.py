@@ -47,7 +47,7 @@ Config = FwdConfig | BwdConfig
 # - the register cap: 0 (the compiler's choice) is declared first, beside the tightest
 #   cap (128), and the time is not unimodal in the cap. On the H200 the 60 s backward
 #   searches ended on caps of 168-255 on 5 of 8 problems (one at +2.5% over a 12 s
-#   search that never left 0), and a 12 s forward search gained 7% at 128
+#   search that never left 0), while a forward one ran 7% faster at 128 than at 0
 #   (BENCHMARKS.md, issue 17).
 UNORDERED = frozenset({"variant", "tile_order", "maxnreg"})
 # Fields whose effects depend on each other, so that moving both at once is one step

@@ -38,9 +38,9 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    The compile lookahead shrinks with a small trial budget: a sampler that proposes
    many candidates ahead proposes them blind. BENCHMARKS.md ("Autotuner") has the
    measurements behind these choices.
-5. At the end the top-k distinct passing configs, and any others within 4% of the best
-   trial (six in all at most; and the heuristic default, if it
-   passed, and the other kernel family's best within 10%) are re-timed against one
+5. At the end the top-k distinct passing configs and any others within 4% of the best
+   trial (six at most), the heuristic default if it passed, and the other kernel
+   family's best if within 10%, are re-timed against one
    another, their launches interleaved (:func:`flashtune.timing.time_interleaved`: the
    GPU's clocks drift under load, and timed one after another the same config read up to
    7% apart), with more repetitions; the fastest is the result and is written to the
