@@ -37,7 +37,7 @@
   setup of the problem (``*_prepare``: the backward's forward, the gate case). Before a
   backward row, the problem's default forward (the one the backward's gate runs) is
   compiled, as a sweep's forward task of that shape compiles it before the backward's:
-  otherwise the short search, run first, paid that compile (2-4 s of 12 on the H200)
+  otherwise the short search, run first, paid that compile (1.4-4.3 s of 12 on the H200)
   and the long one found it cached (``warm_forward_s`` in the row).
 
 Every run uses an in-memory tuning database (nothing is stored on the host), without

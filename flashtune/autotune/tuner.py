@@ -361,8 +361,8 @@ def _outcomes(search: Search) -> tuple[list[Any], list[Any], int, int]:
 
 
 # The final re-timing also takes every distinct trial within this share of the best
-# trial's time, up to NEAR_TIE_MAX finalists in all: a trial's short timing read the same
-# config up to 3% apart on the H200, and a 12 s forward search left out of its re-timing
+# trial's time, up to NEAR_TIE_MAX finalists in all: on the H200 two searches' trials read
+# the same config up to 3% apart, and a 12 s forward search left out of its re-timing
 # (6th of its trials, 3.2% behind) the config that a 60 s search then crowned, 2.1% faster
 # in the re-timing (BENCHMARKS.md, issue 17).
 NEAR_TIE = 0.04
@@ -379,11 +379,12 @@ def _finalists(space: SearchSpace, ok: list[Any], default_params: dict[str, Any]
     a config slower than the default. Trials are compared as whole configs (a trial holds
     only its variant's knobs)."""
     full = space.complete
+    least = max(top_k, 1)
+    most = max(top_k, NEAR_TIE_MAX) if top_k > 1 else least
+    tie = (1 + NEAR_TIE) * float(ok[0].value) if ok else math.inf
     cands: list[Any] = []
     for t in ok:
-        if len(cands) >= max(top_k, 1) and (
-                top_k <= 1 or len(cands) >= max(top_k, NEAR_TIE_MAX)
-                or float(t.value) > (1 + NEAR_TIE) * float(ok[0].value)):
+        if len(cands) >= most or (len(cands) >= least and float(t.value) > tie):
             break
         if all(full(t.params) != full(c.params) for c in cands):
             cands.append(t)

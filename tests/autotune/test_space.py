@@ -103,7 +103,7 @@ def test_a_coupled_pair_moves_as_one_step_after_the_single_moves() -> None:
     # Radius 2 is unchanged: any two fields, the pair among them.
     two = {moved(n) for n in space.neighbours(point, radius=2)}
     assert {(1, 0, 0), (1, 2, 0), (1, 1, 1), (0, 0, 1), (0, 2, 1)} == two
-    # A pair with a field held fixed (or unused by the kernel) is no step.
+    # A pair with a field held fixed is no step.
     pinned = SearchSpace.subgrid("fwd", variant=(HOPPER,), persistent=(0, 1), pingpong=(0, 1))
     p2 = pinned.project({"variant": HOPPER})
     assert p2 is not None and len(pinned.neighbours(p2)) == 2
@@ -115,7 +115,7 @@ def test_every_register_cap_is_one_step_from_the_compilers_choice() -> None:
     assert point is not None
     caps = sorted(n["maxnreg"] for n in space.neighbours(point))
     assert caps == [128, 168, 200, 232, 255]
-    # A move never lands on the point itself, whatever the cap.
+    # From a cap, every other cap and the compiler's choice are one step away.
     mid = space.project({"maxnreg": 200})
     assert mid is not None and sorted(n["maxnreg"] for n in space.neighbours(mid)) == \
         [0, 128, 168, 232, 255]
