@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashtune.autotune.space import SearchSpace
-from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH, HOPPER
+from flashtune.kernels.config import BWD_FUSED, BWD_HOPPER, BWD_ONE_LAUNCH, HOPPER
 from flashtune.problem import Problem
 
 Params = dict[str, Any]
 PartTimes = tuple[Params, dict[str, float]]  # (params, {launch: ms})
 # Backward variants that run as one launch (timed as a whole, polished field by field).
-ONE_LAUNCH_VARIANTS = frozenset({BWD_ONE_LAUNCH, BWD_HOPPER})
+ONE_LAUNCH_VARIANTS = frozenset({BWD_ONE_LAUNCH, BWD_FUSED, BWD_HOPPER})
 
 
 # How close (trial time over the incumbent's) the other kernel family's best point must be

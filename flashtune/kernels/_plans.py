@@ -113,8 +113,9 @@ class Plan:
         return Packed(cu[0], cu[1], *self.maxlen)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                *cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """O and the LSE (``cu``: the prefix sums of a varlen signature)."""
+                *cu: torch.Tensor, lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """O and the LSE (``cu``: the prefix sums of a varlen signature). ``lse=False``: the
+        caller drops the LSE, which may then be a scratch buffer, not this call's."""
         launch = self.fwd
         if launch is None or not aligned(q, k, v, *cu):
             cfg = self.fwd_cfg if self.fwd_cfg is not None else self._resolve("fwd", q, k)
@@ -124,7 +125,7 @@ class Plan:
                                packed=self._packed(cu))
             if aligned(q, k, v, *cu) and (self.fwd_cfg is not None or _remembering(q.device)):
                 self.fwd = launch
-        return launch(q, k, v, *cu)
+        return launch(q, k, v, *cu, lse=lse)
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, *cu: torch.Tensor,

@@ -335,7 +335,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         if needs_grad(q, k, v):
             o, lse = _autograd.Attention.apply(plan, q, k, v)
         else:
-            o, lse = plan.forward(q, k, v)
+            o, lse = plan.forward(q, k, v, lse=return_lse)
     return (o, lse) if return_lse else o
 
 

@@ -45,8 +45,9 @@ from flashtune.kernels.attn_fwd import (
 )
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_FUSED,
     BWD_HOPPER,
-    BWD_ONE_LAUNCH,
+    BWD_ONE_GRID,
     BWD_TWO_KERNEL,
     BWD_VARIANT_NAMES,
     BwdConfig,
@@ -72,13 +73,30 @@ def _dq_atomic_add(DQA, dq_desc, row0, start, offs_m, offs_d, dq, seq_q,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Dh, DQA, dq_desc, dq_row0, stride_qm, stride_dom,
-                offs_n, offs_d, start_m, end_m, seq_q, seq_k, offset, left, right,
-                qk_scale, cap_scale, cap_log2,
+def _delta_rows(Dh, Oh, stride_om, do, offs_m, seq_q, offs_d, HEAD_DIM: tl.constexpr,
+                MASKED: tl.constexpr, PAD_D: tl.constexpr, DELTA_INLINE: tl.constexpr):
+    # delta = rowsum(dO * O) of rows offs_m (zero past the sequence): read from the
+    # preprocess's buffer, or with DELTA_INLINE computed here from the O rows, as the
+    # preprocess computes it (``do`` holds these rows of dO, zeros past the sequence).
+    if DELTA_INLINE:
+        o = _load_rows(Oh + offs_m[:, None] * stride_om, offs_m, seq_q, offs_d, HEAD_DIM,
+                       MASKED, PAD_D)
+        return tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    else:
+        if MASKED:
+            return tl.load(Dh + offs_m, mask=offs_m < seq_q, other=0.0)
+        else:
+            return tl.load(Dh + offs_m)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Qh, DOh, Oh, LSEh, Dh, DQA, dq_desc, dq_row0, stride_qm,
+                stride_dom, stride_om, offs_n, offs_d, start_m, end_m, seq_q, seq_k, offset,
+                left, right, qk_scale, cap_scale, cap_log2,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 PAD_D: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
                 MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr):
+                DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr, DELTA_INLINE: tl.constexpr):
     # Works in the transposed orientation: rows are this program's keys, columns queries.
     for start in tl.range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -103,10 +121,8 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Dh, DQA, dq_desc, dq_row0, stride_q
         do = _load_rows(DOh + offs_m[:, None] * stride_dom, offs_m, seq_q, offs_d,
                         HEAD_DIM, MASKED, PAD_D)
         dv += tl.dot(p_t.to(do.dtype), do)
-        if MASKED:
-            delta = tl.load(Dh + offs_m, mask=offs_m < seq_q, other=0.0)
-        else:
-            delta = tl.load(Dh + offs_m)
+        delta = _delta_rows(Dh, Oh, stride_om, do, offs_m, seq_q, offs_d, HEAD_DIM, MASKED,
+                            PAD_D, DELTA_INLINE)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
@@ -121,23 +137,26 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Dh, DQA, dq_desc, dq_row0, stride_q
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQA, dq_desc, CU_Q, CU_K,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQA, dq_desc, CU_Q, CU_K, O,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_ob, stride_oh, stride_om, stride_od,
     heads_kv, seq_q, seq_k, left, right, tiles_k,
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    DELTA_INLINE: tl.constexpr,
 ):
     # Grid: (tiles_k key tiles x heads_kv, batch); one program holds one key tile of one K/V
     # head: dK and dV (and, with DQ_ATOMIC, dQ contributions). Program ids past
-    # tiles_k * heads_kv belong to the dQ kernel (one launch, see below).
+    # tiles_k * heads_kv belong to the dQ kernel (one launch, see below). With
+    # DELTA_INLINE, the delta rows come from O and dO (Delta unused), else from Delta.
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs every dimension >= 16
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0) % tiles_k
@@ -175,22 +194,27 @@ def _attn_bwd_dkdv_kernel(
                 + offs_d[None, :] * stride_qd
             DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom \
                 + offs_d[None, :] * stride_dod
+            Oh = O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om \
+                + offs_d[None, :] * stride_od
             row = _lse_row(off_b, off_h, heads_q, rows_q, q_start, IS_VARLEN)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSE + row, Delta + row, DQA, dq_desc,
-                                 row, stride_qm, stride_dom, offs_n, offs_d, lo, full_lo,
-                                 seq_q, seq_k, offset, left, right, qk_scale, cap_scale,
-                                 cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D, PAD_D, True, MASK_LEFT,
-                                 MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSE + row, Delta + row, DQA, dq_desc,
-                                 row, stride_qm, stride_dom, offs_n, offs_d, full_lo, full_hi,
-                                 seq_q, seq_k, offset, left, right, qk_scale, cap_scale,
-                                 cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D, PAD_D, False, MASK_LEFT,
-                                 MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSE + row, Delta + row, DQA, dq_desc,
-                                 row, stride_qm, stride_dom, offs_n, offs_d, full_hi, hi,
-                                 seq_q, seq_k, offset, left, right, qk_scale, cap_scale,
-                                 cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D, PAD_D, True, MASK_LEFT,
-                                 MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, Oh, LSE + row, Delta + row, DQA,
+                                 dq_desc, row, stride_qm, stride_dom, stride_om, offs_n,
+                                 offs_d, lo, full_lo, seq_q, seq_k, offset, left, right,
+                                 qk_scale, cap_scale, cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D,
+                                 PAD_D, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA,
+                                 DELTA_INLINE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, Oh, LSE + row, Delta + row, DQA,
+                                 dq_desc, row, stride_qm, stride_dom, stride_om, offs_n,
+                                 offs_d, full_lo, full_hi, seq_q, seq_k, offset, left, right,
+                                 qk_scale, cap_scale, cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D,
+                                 PAD_D, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA,
+                                 DELTA_INLINE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, Oh, LSE + row, Delta + row, DQA,
+                                 dq_desc, row, stride_qm, stride_dom, stride_om, offs_n,
+                                 offs_d, full_hi, hi, seq_q, seq_k, offset, left, right,
+                                 qk_scale, cap_scale, cap_log2, BLOCK_M, HEAD_DIM, BLOCK_D,
+                                 PAD_D, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, DQ_ATOMIC, DQ_TMA,
+                                 DELTA_INLINE)
 
         dk = dk * sm_scale  # S = scale * QK^T, so dK picks up the scale once
         row_ok = offs_n[:, None] < seq_k
@@ -236,18 +260,19 @@ def _dq_inner(dq, q, do, lse2, delta, Kh, Vh, stride_kn, stride_vn, offs_m, offs
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, O,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ob, stride_oh, stride_om, stride_od,
     heads_q, seq_q, seq_k, left, right, tiles_q, first_pid,
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DELTA_INLINE: tl.constexpr,
 ):
     # Grid: (first_pid + tiles_q query tiles x heads_q, batch); one program holds one query
     # tile of one query head: dQ, recomputing P and dP over the visible keys.
@@ -269,6 +294,7 @@ def _attn_bwd_dq_kernel(
         Q = Q + q_start * stride_qm
         DO = DO + q_start * stride_dom
         DQ = DQ + q_start * stride_dqm
+        O = O + q_start * stride_om
         K = K + k_start * stride_kn
         V = V + k_start * stride_vn
         q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
@@ -279,7 +305,9 @@ def _attn_bwd_dq_kernel(
                         seq_q, offs_d, HEAD_DIM, True, PAD_D)
         lse2 = tl.load(LSE + row + offs_m, mask=offs_m < seq_q, other=float("inf")) \
             * 1.4426950408889634  # natural-log LSE -> log2 domain (1/ln(2))
-        delta = tl.load(Delta + row + offs_m, mask=offs_m < seq_q, other=0.0)
+        delta = _delta_rows(Delta + row, O + off_b * stride_ob + off_h * stride_oh
+                            + offs_d[None, :] * stride_od, stride_om, do, offs_m, seq_q,
+                            offs_d, HEAD_DIM, True, PAD_D, DELTA_INLINE)
         Kh = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
         Vh = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -309,7 +337,7 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit
 def _attn_bwd_one_launch_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K,
+    Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K, O,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -317,39 +345,44 @@ def _attn_bwd_one_launch_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_ob, stride_oh, stride_om, stride_od,
     heads_kv, seq_q, seq_k, left, right, tiles_k, tiles_q,
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DELTA_INLINE: tl.constexpr,
 ):
     # Grid: (tiles_k * heads_kv dK/dV programs, then tiles_q * heads_q dQ programs; batch).
     # The dK/dV programs, the longer ones, come first so they start first. Each program
-    # writes only its own tiles: deterministic, as the two-kernel backward.
+    # writes only its own tiles: deterministic, as the two-kernel backward. With
+    # DELTA_INLINE (the fused variant) no preprocess ran: every program computes the delta
+    # rows it reads from O and dO.
     n_dkdv = tiles_k * heads_kv
     if tl.program_id(0) < n_dkdv:
         _attn_bwd_dkdv_kernel(
-            Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ, CU_Q, CU_K,
+            Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ, CU_Q, CU_K, O,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
             stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh,
             stride_dom, stride_dod, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
             stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+            stride_ob, stride_oh, stride_om, stride_od,
             heads_kv, seq_q, seq_k, left, right, tiles_k,
             sm_scale, qk_scale, cap_scale, cap_log2,
             GQA, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-            IS_VARLEN, False, False)
+            IS_VARLEN, False, False, DELTA_INLINE)
     else:
         _attn_bwd_dq_kernel(
-            Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
+            Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, O,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
             stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh,
             stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+            stride_ob, stride_oh, stride_om, stride_od,
             heads_kv * GQA, seq_q, seq_k, left, right, tiles_q, n_dkdv,
             sm_scale, qk_scale, cap_scale, cap_log2,
             GQA, HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-            IS_VARLEN)
+            IS_VARLEN, DELTA_INLINE)
 
 
 BwdStep = tuple[str, Callable[[], Any]]
@@ -361,6 +394,105 @@ ONE_LAUNCH_PART = "dkdv+dq"
 HOPPER_PART = "hopper"
 
 
+# One launch of a portable backward: (kernel, grid, arguments, constexprs and launch
+# options, how many leading arguments are per-call pointers). The per-call slots hold None.
+LaunchSpec = tuple[Any, tuple[int, int], list[Any], dict[str, Any], int]
+
+
+def _portable_specs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    do: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+                    causal: bool, sm_scale: float, window: tuple[int, int], softcap: float,
+                    c: BwdConfig, packed: Packed | None) -> dict[str, LaunchSpec]:
+    """The launches of the portable variant ``c.variant``, in order, by step: ``pre`` (the
+    delta preprocess; atomic dQ: it also zeroes the accumulator), then ``dkdv`` and ``dq``
+    (two kernels), ``dkdv`` and ``finish`` (atomic dQ) or ``one`` (one launch; the fused
+    variant has no ``pre``). Their per-call pointers, in the kernels' order:
+
+    - pre: O, dO, delta, the fp32 dQ accumulator (delta when there is none);
+    - dkdv: q, k, v, dO, LSE, delta, dK, dV, the accumulator, its descriptor, the
+      prefix sums (q twice when dense), O;
+    - dq: q, k, v, dO, LSE, delta, dQ, the prefix sums, O;
+    - finish: the accumulator, dQ;
+    - one: q, k, v, dO, LSE, delta, dQ, dK, dV, the prefix sums, O.
+
+    Strides are read from the tensors given (dq, dk, dv: the gradients' layouts)."""
+    atomic = c.variant == BWD_ATOMIC
+    fused = c.variant == BWD_FUSED
+    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
+    block_d = padded_head_dim(d)
+    left, right, mask_left, mask_right = mask_params(causal, window)
+    qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
+    common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
+                  MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, IS_VARLEN=packed is not None)
+    # Tiles per sequence: the longest sequence's when packed.
+    tiles_q, tiles_k = (sq, sk) if packed is None else (max(packed.max_q, 1), max(packed.max_k, 1))
+    n_k, n_q = triton.cdiv(tiles_k, c.dkdv_block_n), triton.cdiv(tiles_q, c.dq_block_m)
+    # Rows of the delta buffer (and of the atomic variant's fp32 dQ accumulator): a packed
+    # batch is one "batch entry" of total_q rows.
+    row_grid = hq * (b if packed is None else 1)
+    scalars = [sm_scale, qk_scale, cap_scale, cap_log2]
+
+    def st(*ts: torch.Tensor) -> list[int]:
+        return [s for t in ts for s in kernel_strides(t, packed)]
+
+    out: dict[str, LaunchSpec] = {}
+    if not fused:
+        out["pre"] = (_attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m), row_grid),
+                      [None] * 4 + [*st(o, do), hq, sq],
+                      dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m, ZERO_DQ=atomic),
+                      4)
+    if c.variant in BWD_ONE_GRID:
+        out["one"] = (_attn_bwd_one_launch_kernel, (n_k * hk + n_q * hq, b),
+                      [None] * 12 + [*st(q, k, v, do, dq, dk, dv, o), hk, sq, sk, left, right,
+                                     n_k, n_q, *scalars],
+                      dict(BLOCK_M1=c.dkdv_block_m, BLOCK_N1=c.dkdv_block_n,
+                           BLOCK_M2=c.dq_block_m, BLOCK_N2=c.dq_block_n, DELTA_INLINE=fused,
+                           **common, **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)),
+                      12)
+        return out
+    out["dkdv"] = (_attn_bwd_dkdv_kernel, (n_k * hk, b),
+                   [None] * 13 + [*st(q, k, v, do, dk, dv, o), hk, sq, sk, left, right, n_k,
+                                  *scalars],
+                   dict(BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, DQ_ATOMIC=atomic,
+                        DQ_TMA=bool(atomic and c.dkdv_atomic_tma), DELTA_INLINE=False, **common,
+                        **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)),
+                   13)
+    if atomic:
+        out["finish"] = (_attn_bwd_dq_finish, (triton.cdiv(sq, c.dq_block_m), row_grid),
+                         [None] * 2 + [*st(dq), hq, sq, sm_scale],
+                         dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.dq_block_m,
+                              **launch_options(c.dq_warps, 1, c.maxnreg)),
+                         2)
+    else:
+        out["dq"] = (_attn_bwd_dq_kernel, (n_q * hq, b),
+                     [None] * 10 + [*st(q, k, v, do, dq, o), hq, sq, sk, left, right, n_q, 0,
+                                    *scalars],
+                     dict(BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, DELTA_INLINE=False,
+                          **common, **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)),
+                     10)
+    return out
+
+
+def _pointers(step: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dqa: Any, dq_desc: Any,
+              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              cu: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, ...]:
+    """The per-call pointers of ``step`` (see :func:`_portable_specs`)."""
+    if step == "pre":
+        return (o, do, delta, dqa)
+    if step == "dkdv":
+        return (q, k, v, do, lse, delta, dk, dv, dqa, dq_desc, *cu, o)
+    if step == "dq":
+        return (q, k, v, do, lse, delta, dq, *cu, o)
+    if step == "finish":
+        return (dqa, dq)
+    return (q, k, v, do, lse, delta, dq, dk, dv, *cu, o)
+
+
+# The tuner's name of each step (BWD_PARTS: the parts it can recombine).
+_STEP_PART = {"pre": "pre", "dkdv": "dkdv", "dq": "dq", "finish": "dq", "one": ONE_LAUNCH_PART}
+
+
 def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, *, causal: bool, sm_scale: float,
               window: tuple[int, int], softcap: float, config: BwdConfig,
@@ -370,11 +502,12 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``config.variant``: two kernels, ``[("pre", f), ("dkdv", f), ("dq", f)]``; atomic dQ,
     the same three names (the preprocess also zeroes the fp32 dQ accumulator, the dK/dV
     kernel adds to it, "dq" scales and casts it); one launch, ``[("pre", f), ("dkdv+dq",
-    f)]``. Each of "pre", "dkdv" and "dq" depends only on the config fields of its own part
-    (``BwdConfig`` field metadata), so the tuner can time the parts separately and
-    recombine the best of each. ``packed``: a varlen batch, as for
+    f)]``; fused, ``[("dkdv+dq", f)]`` alone. Each of "pre", "dkdv" and "dq" depends only on
+    the config fields of its own part (``BwdConfig`` field metadata), so the tuner can time
+    the parts separately and recombine the best of each. ``packed``: a varlen batch, as for
     :func:`flashtune.kernels.attn_fwd.attn_fwd`. ``deterministic=True`` refuses the atomic
-    variant (its dQ summation order is not fixed)."""
+    variant (its dQ summation order is not fixed). Each step launches through
+    ``kernel[grid]`` (the per-signature path is :class:`BwdLaunch`)."""
     c = config
     if c.variant == BWD_HOPPER:
         reason = "packed (varlen) batches" if packed is not None else ""
@@ -393,98 +526,54 @@ def bwd_steps(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         warn_portable_once("backward", reason)
         c = default_bwd(call_problem(q, k, causal, window, softcap, packed, deterministic),
                         BWD_TWO_KERNEL)
-    if c.variant not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH):
-        raise InfeasibleConfigError(f"BwdConfig.variant={c.variant} "
-                                    f"({BWD_VARIANT_NAMES.get(c.variant, 'unknown')}) has no "
-                                    f"kernel here (allowed: 0, 1, 2, 3)")
-    if c.variant == BWD_ATOMIC and deterministic:
-        raise InfeasibleConfigError("BwdConfig.variant=1 (atomic dQ) gives no fixed dQ "
-                                    "summation order: it needs deterministic=False")
+    _check_portable(c, deterministic)
     atomic = c.variant == BWD_ATOMIC
-    b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
-    block_d = padded_head_dim(d)
+    b, hq, _, sq, _, _ = problem_dims(q, k, packed)
     delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
     lse = lse.contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    left, right, mask_left, mask_right = mask_params(causal, window)
-    qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
-    common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
-                  MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, IS_VARLEN=packed is not None)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cu = (q, q) if packed is None else (packed.cu_q, packed.cu_k)
-    # Tiles per sequence: the longest sequence's when packed.
-    tiles_q, tiles_k = (sq, sk) if packed is None else (max(packed.max_q, 1), max(packed.max_k, 1))
-    # Rows of the delta buffer (and of the atomic variant's fp32 dQ accumulator): a packed
-    # batch is one "batch entry" of total_q rows.
-    row_grid = hq * (b if packed is None else 1)
     # Atomic dQ: an fp32 accumulator with delta's rows, BLOCK_D wide (zeroed by "pre").
-    dqa = q.new_empty((row_grid * sq, block_d), dtype=torch.float32) if atomic else delta
+    row_grid = hq * (b if packed is None else 1)
+    dqa = q.new_empty((row_grid * sq, padded_head_dim(q.shape[-1])), dtype=torch.float32) \
+        if atomic else delta
     dq_desc: Any = dqa
     if atomic and c.dkdv_atomic_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         dq_desc = TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()),
-                                   [c.dkdv_block_m, block_d])
+                                   [c.dkdv_block_m, dqa.shape[1]])
+    specs = _portable_specs(q, k, v, o, do, dq, dk, dv, causal=causal, sm_scale=sm_scale,
+                            window=window, softcap=softcap, c=c, packed=packed)
 
-    def st(*ts: torch.Tensor) -> list[int]:
-        return [s for t in ts for s in kernel_strides(t, packed)]
+    def step(spec: LaunchSpec, ptrs: tuple[Any, ...]) -> Callable[[], Any]:
+        kernel, grid, args, kwargs, n = spec
+        return lambda: kernel[grid](*ptrs, *args[n:], **kwargs)
 
-    def pre() -> None:
-        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), row_grid)](
-            o, do, delta, dqa, *st(o, do), hq, sq,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m, ZERO_DQ=atomic,
-        )
+    return (dq, dk, dv), [
+        (_STEP_PART[name], step(spec, _pointers(name, q, k, v, o, do, lse, delta, dqa, dq_desc,
+                                                dq, dk, dv, cu)))
+        for name, spec in specs.items()]
 
-    def dkdv() -> None:
-        n_k = triton.cdiv(tiles_k, c.dkdv_block_n)
-        _attn_bwd_dkdv_kernel[(n_k * hk, b)](
-            q, k, v, do, lse, delta, dk, dv, dqa, dq_desc, *cu, *st(q, k, v, do, dk, dv),
-            hk, sq, sk, left, right, n_k, sm_scale, qk_scale, cap_scale, cap_log2,
-            BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, DQ_ATOMIC=atomic,
-            DQ_TMA=bool(atomic and c.dkdv_atomic_tma), **common,
-            **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
-        )
 
-    def dq_() -> None:
-        n_q = triton.cdiv(tiles_q, c.dq_block_m)
-        _attn_bwd_dq_kernel[(n_q * hq, b)](
-            q, k, v, do, lse, delta, dq, *cu, *st(q, k, v, do, dq),
-            hq, sq, sk, left, right, n_q, 0, sm_scale, qk_scale, cap_scale, cap_log2,
-            BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
-            **launch_options(c.dq_warps, c.dq_stages, c.maxnreg),
-        )
-
-    def dq_finish() -> None:
-        _attn_bwd_dq_finish[(triton.cdiv(sq, c.dq_block_m), row_grid)](
-            dqa, dq, *st(dq), hq, sq, sm_scale,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.dq_block_m,
-            **launch_options(c.dq_warps, 1, c.maxnreg),
-        )
-
-    def one_launch() -> None:
-        n_k, n_q = triton.cdiv(tiles_k, c.dkdv_block_n), triton.cdiv(tiles_q, c.dq_block_m)
-        _attn_bwd_one_launch_kernel[(n_k * hk + n_q * hq, b)](
-            q, k, v, do, lse, delta, dq, dk, dv, *cu, *st(q, k, v, do, dq, dk, dv),
-            hk, sq, sk, left, right, n_k, n_q, sm_scale, qk_scale, cap_scale, cap_log2,
-            BLOCK_M1=c.dkdv_block_m, BLOCK_N1=c.dkdv_block_n,
-            BLOCK_M2=c.dq_block_m, BLOCK_N2=c.dq_block_n, **common,
-            **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg),
-        )
-
-    if c.variant == BWD_ONE_LAUNCH:
-        return (dq, dk, dv), [("pre", pre), (ONE_LAUNCH_PART, one_launch)]
-    return (dq, dk, dv), [("pre", pre), ("dkdv", dkdv), ("dq", dq_finish if atomic else dq_)]
+def _check_portable(c: BwdConfig, deterministic: bool) -> None:
+    if c.variant not in (BWD_TWO_KERNEL, BWD_ATOMIC, *BWD_ONE_GRID):
+        raise InfeasibleConfigError(f"BwdConfig.variant={c.variant} "
+                                    f"({BWD_VARIANT_NAMES.get(c.variant, 'unknown')}) has no "
+                                    f"kernel here (allowed: {sorted(BWD_VARIANT_NAMES)})")
+    if c.variant == BWD_ATOMIC and deterministic:
+        raise InfeasibleConfigError("BwdConfig.variant=1 (atomic dQ) gives no fixed dQ "
+                                    "summation order: it needs deterministic=False")
 
 
 class BwdLaunch:
     """The backward for one call signature (shapes and strides of q, k, v, o and dO, dtype,
-    device, flags, config), prepared once. The two-kernel backward (variant 0, the default
-    for ``deterministic=True``) is prepared down to its three bound kernels: grids, scalars
-    and constexprs fixed, launched through the compiled kernels. Other variants prepare
-    their launches per call through :func:`bwd_steps`. Built from tensors whose data are
-    16-byte aligned, it serves every call of that signature whose data are too.
-    ``packed``: a varlen batch, as for :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
+    device, flags, config), prepared once. The deterministic portable variants (two
+    kernels, one launch, fused) are prepared down to their bound kernels: grids, scalars
+    and constexprs fixed, launched through the compiled kernels. The atomic and Hopper
+    variants prepare their launches per call through :func:`bwd_steps`. Built from tensors
+    whose data are 16-byte aligned, it serves every call of that signature whose data are
+    too. ``packed``: a varlen batch, as for :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
 
     def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, *, causal: bool, sm_scale: float, window: tuple[int, int],
@@ -494,46 +583,16 @@ class BwdLaunch:
         self.options = dict(causal=causal, sm_scale=sm_scale, window=window, softcap=softcap,
                             config=config, deterministic=deterministic)
         self.maxlen = None if packed is None else (packed.max_q, packed.max_k)
-        self.bound = config.variant == BWD_TWO_KERNEL
+        self.bound = config.variant in (BWD_TWO_KERNEL, *BWD_ONE_GRID)
+        self.fused = config.variant == BWD_FUSED
+        self.launches: list[tuple[str, BoundLaunch]] = []
         if not self.bound:
             return
-        b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
-        c = config
-        block_d = padded_head_dim(d)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
-        left, right, mask_left, mask_right = mask_params(causal, window)
-        qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
-        common = dict(GQA=hq // hk, HEAD_DIM=d, BLOCK_D=block_d, MASK_LEFT=mask_left,
-                      MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
-                      IS_VARLEN=packed is not None)
-        # Tiles per sequence: the longest sequence's when packed.
-        tiles_q, tiles_k = (sq, sk) if packed is None \
-            else (max(packed.max_q, 1), max(packed.max_k, 1))
-        n_k, n_q = triton.cdiv(tiles_k, c.dkdv_block_n), triton.cdiv(tiles_q, c.dq_block_m)
-
-        def st(*ts: torch.Tensor) -> list[int]:
-            return [s for t in ts for s in kernel_strides(t, packed)]
-
-        # delta has the LSE's rows: a packed batch is one "batch entry" of total_q rows.
-        # Leading None slots (the tensors) change from call to call; the rest is fixed.
-        self.pre = BoundLaunch(
-            _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m),
-                                   hq * (b if packed is None else 1)),
-            [None] * 4 + [*st(o, do), hq, sq],
-            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=c.pre_block_m, ZERO_DQ=False), 4)
-        self.dkdv = BoundLaunch(
-            _attn_bwd_dkdv_kernel, (n_k * hk, b),
-            [None] * 12 + [*st(q, k, v, do, dk, dv), hk, sq, sk, left, right, n_k, sm_scale,
-                           qk_scale, cap_scale, cap_log2],
-            dict(BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n, DQ_ATOMIC=False,
-                 DQ_TMA=False, **common,
-                 **launch_options(c.dkdv_warps, c.dkdv_stages, c.maxnreg)), 12)
-        self.dq = BoundLaunch(
-            _attn_bwd_dq_kernel, (n_q * hq, b),
-            [None] * 9 + [*st(q, k, v, do, dq), hq, sq, sk, left, right, n_q, 0, sm_scale,
-                          qk_scale, cap_scale, cap_log2],
-            dict(BLOCK_M=c.dq_block_m, BLOCK_N=c.dq_block_n, **common,
-                 **launch_options(c.dq_warps, c.dq_stages, c.maxnreg)), 9)
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
+        specs = _portable_specs(q, k, v, o, do, *grads, causal=causal, sm_scale=sm_scale,
+                                window=window, softcap=softcap, c=config, packed=packed)
+        self.launches = [(name, BoundLaunch(kernel, grid, args, kwargs, n))
+                         for name, (kernel, grid, args, kwargs, n) in specs.items()]
 
     def steps(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
@@ -545,11 +604,14 @@ class BwdLaunch:
                 else Packed(cu_q, cu_k, *self.maxlen)
             return bwd_steps(do, q, k, v, o, lse, packed=packed, **self.options)
         lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
+
+        def step(launch: BoundLaunch, ptrs: tuple[Any, ...]) -> Callable[[], None]:
+            return lambda: launch(*ptrs)
+
         return (dq, dk, dv), [
-            ("pre", lambda: self.pre(o, do, delta, delta)),
-            ("dkdv", lambda: self.dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, *cu)),
-            ("dq", lambda: self.dq(q, k, v, do, lse, delta, dq, *cu)),
-        ]
+            (_STEP_PART[name], step(launch, _pointers(name, q, k, v, o, do, lse, delta, delta,
+                                                      delta, dq, dk, dv, cu)))
+            for name, launch in self.launches]
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor | None = None,
@@ -562,18 +624,18 @@ class BwdLaunch:
                 launch()
             return grads
         lse, delta, dq, dk, dv, cu = self._buffers(q, k, v, lse, cu_q, cu_k)
-        self.pre(o, do, delta, delta)
-        self.dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, *cu)
-        self.dq(q, k, v, do, lse, delta, dq, *cu)
+        for name, launch in self.launches:
+            launch(*_pointers(name, q, k, v, o, do, lse, delta, delta, delta, dq, dk, dv, cu))
         return dq, dk, dv
 
-    @staticmethod
-    def _buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    def _buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> tuple[Any, ...]:
-        """(lse contiguous, delta, dq, dk, dv, the prefix sums or q twice)."""
-        delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
-        return (lse.contiguous(), delta, torch.empty_like(q), torch.empty_like(k),
-                torch.empty_like(v), (q, q) if cu_q is None else (cu_q, cu_k))
+        """(lse contiguous, delta, dq, dk, dv, the prefix sums or q twice). The fused
+        variant computes delta in its programs: the LSE stands in for the unused buffer."""
+        lse = lse.contiguous()
+        delta = lse if self.fused else torch.empty_like(lse)
+        return (lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                (q, q) if cu_q is None else (cu_q, cu_k))
 
 
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

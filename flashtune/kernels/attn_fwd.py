@@ -257,12 +257,37 @@ def problem_dims(q: torch.Tensor, k: torch.Tensor, packed: Packed | None,
     return packed.batch, q.shape[1], k.shape[1], q.shape[0], k.shape[0], q.shape[2]
 
 
+# A call that returns no LSE (no grad, ``return_lse=False``) still has the kernel write
+# one: up to this many rows it goes to a scratch buffer per device, written and never read
+# (calls on several streams at once only overwrite each other's garbage), which saves an
+# allocation of host time per call. Allocated once outside CUDA-graph capture and never
+# freed, so a captured graph may keep writing to it.
+SCRATCH_LSE_ROWS = 1 << 16
+_scratch_lse: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch_lse(device: torch.device, rows: int) -> torch.Tensor | None:
+    """The device's scratch LSE buffer if it holds ``rows`` fp32 rows, else None (too many
+    rows, or a CUDA graph being captured when it does not exist yet)."""
+    if rows > SCRATCH_LSE_ROWS:
+        return None
+    buf = _scratch_lse.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _scratch_lse[device] = torch.empty(SCRATCH_LSE_ROWS, device=device,
+                                                 dtype=torch.float32)
+    return buf
+
+
 class FwdLaunch:
     """The forward for one call signature (shapes, strides, dtype, device, flags, config),
     prepared once: the variant and its fallback, the grid, every scalar and constexpr, and
     the bound kernel. Built from tensors whose data are 16-byte aligned, it serves every
     call of that signature whose data are too; calling it allocates O and the LSE and
-    launches (see :func:`attn_fwd` for the layouts)."""
+    launches (see :func:`attn_fwd` for the layouts). Called with ``lse=False``, the
+    portable kernel writes its LSE to the scratch buffer (:func:`scratch_lse`) where it
+    fits, and the LSE returned is not the call's."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  sm_scale: float, window: tuple[int, int], softcap: float, config: FwdConfig,
@@ -286,6 +311,7 @@ class FwdLaunch:
                 call_problem(q, k, causal, window, softcap, packed))
         b, hq, hk, sq, sk, d = problem_dims(q, k, packed)
         self.lse_shape = (b, hq, sq) if packed is None else (hq, sq)
+        self.scratch = scratch_lse(q.device, b * hq * sq)
         o = torch.empty_like(q)  # its strides (empty_like keeps q's layout), never its data
         left, right, mask_left, mask_right = mask_params(causal, window)
         qk_scale, cap_scale, cap_log2 = score_scales(sm_scale, softcap)
@@ -312,11 +338,12 @@ class FwdLaunch:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         if self.hopper is not None:
             return self.hopper(q, k, v, cu_q, cu_k)
         o = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        out = self.scratch if not lse and self.scratch is not None \
+            else torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         if self.descriptors is not None:
             td, tv = self.descriptors
             kd, vd = descriptor_like(td, k), descriptor_like(tv, v)
@@ -324,8 +351,8 @@ class FwdLaunch:
             kd, vd = k, v
         if cu_q is None:
             cu_q = cu_k = q  # dense: unused pointers
-        self.launch(q, k, v, o, lse, kd, vd, cu_q, cu_k)
-        return o, lse
+        self.launch(q, k, v, o, out, kd, vd, cu_q, cu_k)
+        return o, out
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

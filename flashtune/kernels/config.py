@@ -68,9 +68,13 @@ BWD_TWO_KERNEL = 0  # dK/dV kernel + a dQ kernel that recomputes: 7 products, de
 BWD_ATOMIC = 1  # dQ added with atomics inside the dK/dV kernel: 5 products, no fixed order
 BWD_ONE_LAUNCH = 2  # the programs of variant 0 in one grid, as FlexAttention: deterministic
 BWD_HOPPER = 3  # FA3-style Gluon backward for sm90 (kernels/attn_bwd_hopper.py)
+BWD_FUSED = 4  # variant 2 with delta computed in its programs: one launch in all
 BWD_VARIANT_NAMES = {BWD_TWO_KERNEL: "portable", BWD_ATOMIC: "portable-atomic",
-                     BWD_ONE_LAUNCH: "portable-one-launch", BWD_HOPPER: "hopper"}
-_BP = (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)
+                     BWD_ONE_LAUNCH: "portable-one-launch", BWD_HOPPER: "hopper",
+                     BWD_FUSED: "portable-fused"}
+_BP = (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_FUSED)
+# The portable variants that run the dK/dV and dQ programs in one grid.
+BWD_ONE_GRID = (BWD_ONE_LAUNCH, BWD_FUSED)
 _BH = (BWD_HOPPER,)
 
 
@@ -121,6 +125,10 @@ class BwdConfig:
     - 3 (Hopper): the FA3-style Gluon backward for sm90 (``kernels/attn_bwd_hopper.py``):
       five products, dQ by TMA reduce-add; with ``deterministic=True`` the dQ adds of each
       query tile take turns in a fixed order. Its knobs are the ``hopper_*`` fields.
+    - 4 (fused): variant 2 without the preprocess: each program computes the delta rows
+      it reads from O and dO itself (a dK/dV program once per query tile it visits, so
+      an O tile more per step). One launch in all, for calls whose time is the host's.
+      Deterministic.
     """
 
     dkdv_block_m: int = knob(32, POW2_BLOCKS, "dK/dV: query rows per inner-loop step", "dkdv",
@@ -134,17 +142,18 @@ class BwdConfig:
     dq_block_m: int = knob(64, POW2_BLOCKS, "dQ: query rows held per program (atomic dQ: "
                            "rows per program of the scale-and-cast kernel)", "dq", variants=_BP)
     dq_block_n: int = knob(32, POW2_BLOCKS, "dQ: keys per inner-loop step", "dq",
-                           variants=(BWD_TWO_KERNEL, BWD_ONE_LAUNCH))
+                           variants=(BWD_TWO_KERNEL, *BWD_ONE_GRID))
     dq_warps: int = knob(4, WARPS, "dQ: warps per program", "dq",
                          variants=(BWD_TWO_KERNEL, BWD_ATOMIC))
     dq_stages: int = knob(2, STAGES, "dQ: pipelining depth", "dq", variants=(BWD_TWO_KERNEL,))
-    pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program", "pre")
+    pre_block_m: int = knob(64, POW2_BLOCKS, "delta preprocess: rows per program", "pre",
+                            variants=(BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_HOPPER))
     maxnreg: int = knob(0, MAXNREG, "register cap per thread for every launch (0 = compiler)",
                         variants=_BP)
     variant: int = knob(BWD_TWO_KERNEL, tuple(BWD_VARIANT_NAMES),
                         "kernel family: 0 two portable kernels (7 products), 1 portable with "
                         "atomic dQ (5 products, not deterministic), 2 portable in one launch, "
-                        "3 Hopper (Gluon, sm90)")
+                        "3 Hopper (Gluon, sm90), 4 as 2 with the delta preprocess fused in")
     dkdv_atomic_tma: int = knob(0, (0, 1), "dK/dV, atomic dQ: add dQ through a tensor "
                                 "descriptor (TMA reduce-add on sm90) instead of pointer "
                                 "atomics", "dkdv", variants=(BWD_ATOMIC,))
@@ -237,9 +246,11 @@ def smem_fwd(c: FwdConfig, d: int) -> int:
 
 def smem_dkdv(c: BwdConfig, d: int) -> int:
     # K, V held; Q, dO streamed; plus the fp32 LSE and delta slices per stage. Unpipelined
-    # (1 stage), Triton still double-buffers the transposed operands: count 2.
+    # (1 stage), Triton still double-buffers the transposed operands: count 2. The fused
+    # variant streams O as well (an extension of the fit, not part of the probed grid).
     stages = max(c.dkdv_stages, 2)
-    return 2 * d * (2 * c.dkdv_block_n + 2 * c.dkdv_block_m * stages) \
+    streamed = 3 if c.variant == BWD_FUSED else 2
+    return 2 * d * (2 * c.dkdv_block_n + streamed * c.dkdv_block_m * stages) \
         + 16 * c.dkdv_block_m * stages
 
 
@@ -448,7 +459,7 @@ def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
         if reason:
             raise InfeasibleConfigError(f"bwd portable-atomic: dkdv_atomic_tma=1: {reason}")
     d = padded_head_dim(p.head_dim)
-    one_launch = c.variant == BWD_ONE_LAUNCH
+    one_launch = c.variant in BWD_ONE_GRID
     # In one launch, every program runs with the dK/dV launch knobs.
     dq_warps = c.dkdv_warps if one_launch else c.dq_warps
     _check_launch("bwd dkdv", c.dkdv_block_n, c.dkdv_warps)
@@ -552,9 +563,10 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
 
 def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
-    the Hopper backward for ``deterministic=False`` where it can run, else the two-kernel
-    backward; else that variant (the portable ones with the same tiles;
-    InfeasibleConfigError if the variant cannot serve ``p``)."""
+    the fused one-launch backward for a host-bound call (:func:`host_bound`), the Hopper
+    backward for ``deterministic=False`` where it can run, else the two-kernel backward;
+    else that variant (the portable ones with the same tiles; InfeasibleConfigError if the
+    variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
     if d <= 64:
         c = BwdConfig(dkdv_block_m=32, dkdv_block_n=128, dkdv_warps=4, dkdv_stages=3,
@@ -575,6 +587,10 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     )
     c = dataclasses.replace(c, dkdv_warps=min(c.dkdv_warps, max(4, c.dkdv_block_n // 8)),
                             dq_warps=min(c.dq_warps, max(4, c.dq_block_m // 8)))
+    if variant is None and host_bound(p):
+        # A call this small is bound by host time: one launch (no preprocess) instead of
+        # three, and no delta buffer to allocate (BENCHMARKS.md, issue 14).
+        variant = BWD_FUSED
     if variant is None and not p.deterministic and p.seqlen_k >= HOPPER_BWD_MIN_SEQLEN \
             and not host_bound(p) and not _bwd_hopper_unavailable(p):
         # Measured on the H200 (BENCHMARKS.md): with dQ summed in any order the Hopper
@@ -600,7 +616,7 @@ def _as_variant(c: BwdConfig, variant: int, p: Problem) -> BwdConfig:
     base, used = BwdConfig(), set(active_fields(BwdConfig, variant))
     c = dataclasses.replace(c, variant=variant, **{
         f.name: getattr(base, f.name) for f in dataclasses.fields(c) if f.name not in used})
-    if variant == BWD_ONE_LAUNCH:
+    if variant in BWD_ONE_GRID:
         # One launch, one num_warps: what the dQ tile can use, the dK/dV tile shrunk to fit
         # its registers with it.
         warps = min(c.dkdv_warps, max(4, c.dq_block_m // 8))

@@ -197,7 +197,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if needs_grad(q, k, v):
             o, lse = _autograd.Attention.apply(plan, q, k, v, *cu)
         else:
-            o, lse = plan.forward(q, k, v, *cu)
+            o, lse = plan.forward(q, k, v, *cu, lse=return_lse)
     return (o, lse) if return_lse else o
 
 

@@ -103,7 +103,7 @@ def test_the_backwards_portable_variants_are_one_family() -> None:
     from flashtune.autotune.candidates import family, rival
     from flashtune.kernels.config import BWD_HOPPER, BWD_ONE_LAUNCH, BWD_TWO_KERNEL
 
-    two = config_to_dict(default_bwd(P))
+    two = config_to_dict(default_bwd(P, BWD_TWO_KERNEL))
     one = {**two, "variant": BWD_ONE_LAUNCH}
     assert two["variant"] == BWD_TWO_KERNEL
     assert family("bwd", two) == family("bwd", one) == "portable"

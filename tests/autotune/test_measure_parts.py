@@ -11,6 +11,7 @@ from flashtune.autotune.measure import Bench
 from flashtune.kernels.attn_bwd import BWD_PARTS, ONE_LAUNCH_PART, attn_bwd, bwd_steps
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_FUSED,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -27,6 +28,7 @@ P = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=40, seqlen_k=56, head_dim=3
     (BWD_TWO_KERNEL, list(BWD_PARTS)),
     (BWD_ATOMIC, list(BWD_PARTS)),  # "dq" scales and casts the atomically summed dQ
     (BWD_ONE_LAUNCH, ["pre", ONE_LAUNCH_PART]),
+    (BWD_FUSED, [ONE_LAUNCH_PART]),  # no preprocess: delta is computed in the programs
 ])
 def test_steps_in_order_are_the_backward(variant: int, names: list[str], device: str,
                                          seed: int) -> None:

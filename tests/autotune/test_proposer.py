@@ -22,7 +22,14 @@ import pytest
 from flashtune.autotune import SearchSpace, TuneSession, tune
 from flashtune.autotune.space import UNORDERED
 from flashtune.kernels import config
-from flashtune.kernels.config import BWD_ONE_LAUNCH, config_to_dict, default_config
+from flashtune.kernels.config import (
+    BWD_FUSED,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    config_to_dict,
+    default_bwd,
+    default_config,
+)
 from flashtune.problem import Problem
 
 PROBLEM = Problem(batch=2, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_k=256, head_dim=64)
@@ -237,14 +244,15 @@ def test_a_polishing_move_may_change_the_kernel_variant() -> None:
     space = SearchSpace.full("bwd")
     p = Problem(batch=2, heads_q=4, heads_kv=4, seqlen_q=512, seqlen_k=512, head_dim=64,
                 causal=True)
-    base = config_to_dict(default_config("bwd", p))
+    base = config_to_dict(default_bwd(p, BWD_TWO_KERNEL))
     assert "variant" in UNORDERED
     moves = [n for n in space.neighbours(base, among=["variant"])
              if space.feasible(space.config(n), p)[0]]
     # Variant 1 (atomic dQ) lies between 0 and 2 in the declared order and cannot serve
-    # a deterministic problem; the one-launch backward is still one step away, with the
-    # knobs it does not use back at their defaults.
-    assert [n["variant"] for n in moves] == [BWD_ONE_LAUNCH]
+    # a deterministic problem; the one-launch backward and the fused one are still one
+    # step away, with the knobs they do not use back at their defaults.
+    assert [n["variant"] for n in moves] == [BWD_ONE_LAUNCH, BWD_FUSED]
+    assert moves[1]["pre_block_m"] == space.config({}).pre_block_m  # type: ignore[union-attr]
     assert moves[0]["dq_stages"] == space.config({}).dq_stages  # type: ignore[union-attr]
     assert moves[0]["dkdv_block_n"] == base["dkdv_block_n"]
 
@@ -351,7 +359,7 @@ def test_a_one_launch_incumbent_is_polished_field_by_field() -> None:
     from flashtune.autotune.candidates import Seen, by_launch, polish_point, sig
 
     p = replace_problem(deterministic=True)
-    default = BWD.complete(config_to_dict(default_config("bwd", p)))
+    default = BWD.complete(config_to_dict(default_bwd(p, BWD_TWO_KERNEL)))
     fused = next(n for n in BWD.neighbours(default, among=["variant"])
                  if n["variant"] == BWD_ONE_LAUNCH)  # its unused knobs at their defaults
     times = {sig(default): (default, {"pre": 0.1, "dkdv": 0.5, "dq": 0.4}),
@@ -388,9 +396,10 @@ def test_the_seeds_include_the_default_in_every_other_kernel_variant() -> None:
 
     here, sw = device_info(), software_info()
     default = config_to_dict(default_config("bwd", PROBLEM))
-    for deterministic, variants in ((False, [0, 1, 2]), (True, [0, 2])):
+    assert default["variant"] == BWD_FUSED  # a host-bound problem's default
+    for deterministic, variants in ((False, [4, 0, 1, 2]), (True, [4, 0, 2])):
         # On this machine (no Hopper GPU) the Hopper kernels cannot serve, nor can the
-        # atomic dQ backward a deterministic problem.
+        # atomic dQ backward a deterministic problem: the default first, then the others.
         p = replace(PROBLEM, deterministic=deterministic)
         seeds = _seed_configs(None, here, sw, p, "bwd", BWD, shipped=False)
         assert [s for _, s in seeds] == ["default"] + ["variant"] * (len(variants) - 1)

@@ -213,6 +213,7 @@ def test_backward_variants_sampled_are_those_the_problem_allows() -> None:
 
     from flashtune.kernels.config import (
         BWD_ATOMIC,
+        BWD_FUSED,
         BWD_ONE_LAUNCH,
         BWD_TWO_KERNEL,
         active_fields,
@@ -220,12 +221,12 @@ def test_backward_variants_sampled_are_those_the_problem_allows() -> None:
 
     space = SearchSpace.full("bwd")
     det, free = P, dataclasses.replace(P, deterministic=False)
-    assert space.variants() == [0, 1, 2, 3]  # all declared; 3 is the Hopper kernel to come
-    assert space.variants(det) == [BWD_TWO_KERNEL, BWD_ONE_LAUNCH]
-    assert space.variants(free) == [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH]
+    assert space.variants() == [0, 1, 2, 3, 4]  # all declared; 3 is the Hopper kernel
+    assert space.variants(det) == [BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED]
+    assert space.variants(free) == [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_FUSED]
     assert SearchSpace.full("fwd").variants(det) == list(config_fields(FwdConfig)["variant"])
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for problem, expect in ((det, {0, 2}), (free, {0, 1, 2})):
+    for problem, expect in ((det, {0, 2, 4}), (free, {0, 1, 2, 4})):
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         seen = set()
         for _ in range(60):

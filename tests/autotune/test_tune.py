@@ -18,7 +18,12 @@ from flashtune.autotune._faults import ENV, fault_env
 from flashtune.db import open_storage
 from flashtune.db.fingerprint import device_info, software_info
 from flashtune.kernels.attn_bwd import ONE_LAUNCH_PART
-from flashtune.kernels.config import BWD_ONE_LAUNCH, config_from_dict, config_to_dict
+from flashtune.kernels.config import (
+    BWD_FUSED,
+    BWD_ONE_LAUNCH,
+    config_from_dict,
+    config_to_dict,
+)
 from flashtune.kernels.reference import compare
 from flashtune.problem import Problem
 
@@ -57,7 +62,8 @@ def test_tune_both_stores_results_that_pass_the_gate(tmp_path, seed: int) -> Non
     # Backward trials carry each launch's time (what the recombination step reads).
     study = optuna.load_study(study_name=res["bwd"].study_name, storage=f"sqlite:///{db}")
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    launches = {BWD_ONE_LAUNCH: {"pre", ONE_LAUNCH_PART}}  # else pre, dkdv, dq
+    launches = {BWD_ONE_LAUNCH: {"pre", ONE_LAUNCH_PART},
+                BWD_FUSED: {ONE_LAUNCH_PART}}  # else pre, dkdv, dq
     assert done and all(set(t.user_attrs["parts_ms"])
                         == launches.get(t.params["variant"], {"pre", "dkdv", "dq"})
                         for t in done)

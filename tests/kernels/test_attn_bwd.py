@@ -1,5 +1,5 @@
 """Backward kernels (delta, dK/dV, dQ) vs the fp32 reference, GQA group sums, determinism,
-for every portable backward variant (two kernels, atomic dQ, one launch)."""
+for every portable backward variant (two kernels, atomic dQ, one launch, fused)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import attn_fwd
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_FUSED,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -51,7 +52,7 @@ def test_backward_matches_reference(case: tuple, device: str, seed: int) -> None
         check_case(p, device, fwd=fwd, bwd=cfg, layout=layout, backward=True, gen=gen)
 
 
-VARIANTS = [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH]
+VARIANTS = [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_FUSED]
 # Odd lengths, Sq != Sk both ways, causal bottom-right, window, softcap, GQA / MQA, padded D.
 VARIANT_CASES = [
     (1, 4, 2, 37, 53, 40, "bf16", True, (-1, -1), 0.0, "bshd"),    # GQA 2:1, Sq < Sk
@@ -83,7 +84,7 @@ def _grads(p: Problem, device: str, cfg: BwdConfig, seed: int) -> tuple[torch.Te
     return torch.autograd.grad(o, (q, k, v), do)
 
 
-@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH])
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED])
 @pytest.mark.parametrize("gqa", [1, 4])
 def test_backward_bit_identical_across_runs(gqa: int, variant: int, device: str,
                                             seed: int) -> None:
@@ -172,7 +173,7 @@ def test_backward_gpu_realistic(case: tuple, variant: int, seed: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH])
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED])
 def test_backward_bit_identical_gpu_large(variant: int, seed: int) -> None:
     p = Problem(2, 16, 4, 4096, 4096, 128, "bf16", True)
     cfg = default_bwd(p, variant)
@@ -183,9 +184,10 @@ def test_backward_bit_identical_gpu_large(variant: int, seed: int) -> None:
 
 
 def test_backward_variants_build_for_sm90_without_a_gpu() -> None:
-    """The atomic variant's two dQ paths and the one-launch kernel compile for Hopper
-    (Triton's own ptxas, no GPU: benchmarks/probe_ptxas.py --bwd), and the dK/dV kernel adds
-    dQ the way its knob says: TMA reduce-add, or pointer atomics."""
+    """The atomic variant's two dQ paths, the one-launch kernel and the fused one compile for
+    Hopper (Triton's own ptxas, no GPU: benchmarks/probe_ptxas.py --bwd), the dK/dV kernel
+    adds dQ the way its knob says (TMA reduce-add, or pointer atomics), and the fused
+    variant launches no preprocess."""
     import json
     import os
     import pathlib
@@ -195,14 +197,16 @@ def test_backward_variants_build_for_sm90_without_a_gpu() -> None:
     root = pathlib.Path(__file__).parents[2]
     script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import probe_ptxas as p; "
               "p._install_compile_only(); "
-              "print(json.dumps([p.build_bwd(1, 1, False), p.build_bwd(2, 0, False)]))")
+              "print(json.dumps([p.build_bwd(1, 1, False), p.build_bwd(2, 0, False), "
+              "p.build_bwd(4, 0, True)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, text=True,
                          capture_output=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    tma, one = json.loads(out.stdout.strip().splitlines()[-1])
+    tma, one, fused = json.loads(out.stdout.strip().splitlines()[-1])
     assert tma["result"] == "ok" and one["result"] == "ok", (tma, one)
+    assert fused["result"] == "ok" and fused["kernels"] == ["_attn_bwd_one_launch_kernel"], fused
     assert tma["dq_adds"] == ["cp.reduce.async.bulk.tensor"]
     assert "_attn_bwd_dq_finish" in tma["kernels"] and "_attn_bwd_dq_kernel" not in tma["kernels"]
     assert one["kernels"] == ["_attn_bwd_one_launch_kernel", "_attn_bwd_preprocess"]

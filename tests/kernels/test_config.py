@@ -148,16 +148,20 @@ def test_tma_rule_matches_ptxas_records(monkeypatch: pytest.MonkeyPatch) -> None
 def test_bwd_variants_use_their_own_knobs_and_leave_the_rest_at_defaults() -> None:
     # The Hopper variant's own knobs are tested in test_config_hopper_bwd.py.
     fields = {f for f in config_fields(BwdConfig) if not f.startswith("hopper_")}
-    two, atomic, one = (set(config.active_fields(BwdConfig, v)) for v in
-                        (config.BWD_TWO_KERNEL, config.BWD_ATOMIC, config.BWD_ONE_LAUNCH))
+    two, atomic, one, fused = (set(config.active_fields(BwdConfig, v)) for v in
+                               (config.BWD_TWO_KERNEL, config.BWD_ATOMIC,
+                                config.BWD_ONE_LAUNCH, config.BWD_FUSED))
     assert two == fields - {"dkdv_atomic_tma"}
     # Atomic dQ: no dQ kernel loop (keys, stages); the finishing kernel has rows and warps.
     assert atomic == fields - {"dq_block_n", "dq_stages"}
     # One launch: one num_warps / num_stages, the dK/dV ones.
     assert one == fields - {"dq_warps", "dq_stages", "dkdv_atomic_tma"}
+    # Fused: the one launch without its preprocess.
+    assert fused == one - {"pre_block_m"}
     p = Problem(1, 2, 2, 256, 256, 64, deterministic=False)
     for cfg, name in ((BwdConfig(variant=config.BWD_ATOMIC, dq_block_n=64), "dq_block_n"),
                       (BwdConfig(variant=config.BWD_ONE_LAUNCH, dq_warps=8), "dq_warps"),
+                      (BwdConfig(variant=config.BWD_FUSED, pre_block_m=32), "pre_block_m"),
                       (BwdConfig(dkdv_atomic_tma=1), "dkdv_atomic_tma")):
         with pytest.raises(InfeasibleConfigError, match=f"{name}=.* has no meaning for the "):
             check_bwd(cfg, p)
@@ -206,6 +210,33 @@ def test_bwd_one_launch_checks_both_programs_with_the_launch_knobs() -> None:
     check_bwd(BwdConfig(**c), p)
     with pytest.raises(InfeasibleConfigError, match="bwd one launch: estimated shared memory"):
         check_bwd(BwdConfig(variant=config.BWD_ONE_LAUNCH, **c), p)
+
+
+def test_bwd_fused_streams_o_in_its_dkdv_programs() -> None:
+    """The fused variant's dK/dV programs stream O beside Q and dO: a pipeline that fits
+    one launch with a preprocess may not fit without it."""
+    p = Problem(1, 2, 2, 4096, 4096, 128)
+    c = dict(dkdv_block_m=64, dkdv_block_n=64, dkdv_warps=4, dkdv_stages=4, dq_block_m=32,
+             dq_block_n=32)
+    one, fused = (BwdConfig(variant=v, **c) for v in (config.BWD_ONE_LAUNCH, config.BWD_FUSED))
+    assert smem_dkdv(fused, 128) - smem_dkdv(one, 128) == 2 * 128 * 64 * 4  # an O tile a stage
+    need = smem_dkdv(one, 128)
+    assert is_feasible(one, p, smem_bytes=need)[0]
+    ok, why = is_feasible(fused, p, smem_bytes=need)
+    assert not ok and "bwd one launch: estimated shared memory" in why, why
+
+
+def test_bwd_default_is_fused_where_host_time_decides() -> None:
+    """A host-bound call (fewer than 2**22 scores) gets the fused backward: one launch, no
+    delta buffer; a larger one keeps the two-kernel default. Either way deterministic."""
+    for det in (True, False):
+        small = Problem(1, 1, 1, 128, 128, 64, "bf16", True, deterministic=det)
+        assert config.host_bound(small)
+        cfg = default_bwd(small)
+        assert cfg.variant == config.BWD_FUSED and cfg.pre_block_m == BwdConfig().pre_block_m
+        check_bwd(cfg, small)
+    edge = Problem(1, 1, 1, 2048, 2048, 128, "bf16", False)  # exactly 2**22 scores
+    assert not config.host_bound(edge) and default_bwd(edge).variant == config.BWD_TWO_KERNEL
 
 
 def test_bwd_default_is_deterministic_for_either_kind_of_problem() -> None:

@@ -13,6 +13,7 @@ from flashtune.autotune.space import SearchSpace
 from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels import config
 from flashtune.kernels.config import (
+    BWD_FUSED,
     BWD_HOPPER,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -127,13 +128,14 @@ def test_space_samples_hopper_knobs_only_for_the_hopper(on_hopper: None) -> None
 
 def test_host_bound_calls_keep_the_portable_kernels(on_hopper: None) -> None:
     """Tiny calls are bound by host time, where the Hopper launches (TMA descriptors built
-    per call) cost more than they save: both defaults stay portable there."""
+    per call) cost more than they save: both defaults stay portable there (the backward
+    in one launch, its preprocess fused in)."""
     from flashtune.kernels.config import HOPPER, default_fwd
 
     tiny = Problem(batch=1, heads_q=1, heads_kv=1, seqlen_q=128, seqlen_k=128, head_dim=64,
                    deterministic=False)
     assert default_fwd(tiny).variant != HOPPER
-    assert default_bwd(tiny).variant == BWD_TWO_KERNEL
+    assert default_bwd(tiny).variant == BWD_FUSED
     big = dataclasses.replace(tiny, batch=8, heads_q=16, heads_kv=16, seqlen_q=8192,
                               seqlen_k=8192)
     assert default_fwd(big).variant == HOPPER

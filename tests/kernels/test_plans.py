@@ -15,7 +15,15 @@ from flashtune.kernels import _bound, _plans, attention, varlen
 from flashtune.kernels.attention import call_plan, flash_attention
 from flashtune.kernels.attn_bwd import BwdLaunch
 from flashtune.kernels.attn_fwd import FwdLaunch
-from flashtune.kernels.config import HOPPER, FwdConfig, default_bwd, default_fwd
+from flashtune.kernels.config import (
+    BWD_FUSED,
+    BWD_ONE_LAUNCH,
+    BWD_TWO_KERNEL,
+    HOPPER,
+    FwdConfig,
+    default_bwd,
+    default_fwd,
+)
 from flashtune.kernels.reference import attention_ref
 from flashtune.problem import Problem
 
@@ -183,9 +191,13 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
     fwd = FwdLaunch(q, k, v, causal=True, sm_scale=0.25, window=(-1, -1), softcap=0.0,
                     config=default_fwd(p))
     o = torch.empty_like(q)
-    bwd = BwdLaunch(o, q, k, v, o, causal=True, sm_scale=0.25, window=(-1, -1), softcap=0.0,
-                    config=default_bwd(p))
-    launches = [fwd.launch, bwd.pre, bwd.dkdv, bwd.dq]
+    launches = [fwd.launch]
+    for variant, steps in ((BWD_TWO_KERNEL, ["pre", "dkdv", "dq"]), (BWD_ONE_LAUNCH,
+                           ["pre", "one"]), (BWD_FUSED, ["one"])):
+        bwd = BwdLaunch(o, q, k, v, o, causal=True, sm_scale=0.25, window=(-1, -1),
+                        softcap=0.0, config=default_bwd(p, variant))
+        assert [name for name, _ in bwd.launches] == steps
+        launches += [launch for _, launch in bwd.launches]
     try:  # the Gluon kernel, where this Triton has Gluon's Hopper API
         from flashtune.kernels.attn_fwd_hopper import HopperLaunch
     except ImportError:
@@ -219,6 +231,36 @@ def test_bound_launch_lists_every_parameter_in_order(device) -> None:
     else:  # the first binds, the second runs through the compiled kernel
         assert _bound.counts["bind"] == before["bind"] + 1
         assert _bound.counts["bound"] == before["bound"] + 1
+
+
+def test_a_call_that_drops_the_lse_writes_it_to_scratch(device, monkeypatch) -> None:
+    """A forward whose LSE nobody reads (no grad, return_lse=False) writes it to the
+    device's scratch buffer instead of a new one; every other call gets its own LSE, and
+    O is the same either way. Past SCRATCH_LSE_ROWS rows a call allocates as before."""
+    from flashtune.kernels import attn_fwd
+
+    q, k, v = _qkv(device)
+    p = Problem.from_tensors(q, k, causal=True)
+    launch = FwdLaunch(q, k, v, causal=True, sm_scale=0.25, window=(-1, -1), softcap=0.0,
+                       config=default_fwd(p))
+    scratch = attn_fwd.scratch_lse(q.device, B * HQ * S)
+    assert scratch is not None and launch.scratch is scratch
+    o1, lse1 = launch(q, k, v)
+    o2, lse2 = launch(q, k, v, lse=False)
+    assert lse2 is scratch and lse1.data_ptr() != scratch.data_ptr()
+    assert torch.equal(o1, o2) and torch.equal(lse1.flatten(), scratch[: lse1.numel()])
+    o3, lse3 = launch(q, k, v)
+    assert lse3.data_ptr() not in (lse1.data_ptr(), scratch.data_ptr())
+    # Through the public call: the same output with and without the LSE returned.
+    with torch.no_grad():
+        out = flash_attention(q, k, v, causal=True)
+        out2, lse4 = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse4, lse1)
+    assert lse4.data_ptr() != scratch.data_ptr()
+    monkeypatch.setattr(attn_fwd, "SCRATCH_LSE_ROWS", B * HQ * S - 1)
+    big = FwdLaunch(q, k, v, causal=True, sm_scale=0.25, window=(-1, -1), softcap=0.0,
+                    config=default_fwd(p))
+    assert big.scratch is None and big(q, k, v, lse=False)[1].data_ptr() != scratch.data_ptr()
 
 
 def test_hopper_launch_reads_a_packed_batch_through_rank4_views(device) -> None:
@@ -259,16 +301,20 @@ def _gpu_inputs(seed: int, s: int = 257, d: int = 64) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_bound_launches_give_the_bits_of_jit_launches(causal: bool, seed: int) -> None:
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED])
+def test_bound_launches_give_the_bits_of_jit_launches(causal: bool, variant: int,
+                                                      seed: int) -> None:
     """Second and later calls go through the bound compiled kernels (forward: the Hopper
-    kernel where it runs, else the portable one; the three backward kernels) and give
-    exactly what kernel[grid] launches give, on a side stream too."""
+    kernel where it runs, else the portable one; the backward's kernels: three, two or
+    one by variant) and give exactly what kernel[grid] launches give, on a side stream
+    too."""
     from flashtune.kernels.attn_bwd import attn_bwd
     from flashtune.kernels.attn_fwd import attn_fwd
 
     q, k, v, do = _gpu_inputs(seed)
     p = Problem.from_tensors(q, k, causal=causal)
-    fcfg, bcfg = default_fwd(p), default_bwd(p)
+    fcfg, bcfg = default_fwd(p), default_bwd(p, variant)
+    n_bwd = {BWD_TWO_KERNEL: 3, BWD_ONE_LAUNCH: 2, BWD_FUSED: 1}[variant]
     scale = D ** -0.5
     want_o, want_lse = attn_fwd(q, k, v, causal=causal, sm_scale=scale, window=(-1, -1),
                                 softcap=0.0, config=fcfg)
@@ -290,8 +336,8 @@ def test_bound_launches_give_the_bits_of_jit_launches(causal: bool, seed: int) -
         assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
         for got, ref in zip((qg.grad, kg.grad, vg.grad), want, strict=True):
             assert torch.equal(got, ref)
-        if i:  # 1 forward + 3 backward launches, all bound
-            assert _bound.counts["bound"] - before["bound"] == 4, _bound.counts
+        if i:  # 1 forward + the backward's launches, all bound
+            assert _bound.counts["bound"] - before["bound"] == 1 + n_bwd, _bound.counts
             assert _bound.counts["jit"] == before["jit"]
 
 

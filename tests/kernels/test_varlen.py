@@ -13,6 +13,7 @@ from flashtune.kernels.attn_bwd import attn_bwd
 from flashtune.kernels.attn_fwd import Packed, attn_fwd
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_FUSED,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -110,7 +111,7 @@ def test_varlen_random_configs(device: str, seed: int) -> None:
                  bwd=random_config(BwdConfig, p, rng, max_block=32))
 
 
-@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH])
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_FUSED])
 def test_varlen_every_backward_variant(variant: int, device: str, seed: int) -> None:
     """Packed batches run every portable backward variant (GQA, causal bottom-right per
     sequence, empty and length-1 sequences)."""

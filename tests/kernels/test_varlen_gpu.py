@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_FUSED,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -57,7 +58,7 @@ def test_varlen_random_large_configs(seed: int) -> None:
                      bwd=random_config(BwdConfig, p, rng, max_block=128, max_stages=4))
 
 
-@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH])
+@pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_FUSED])
 def test_varlen_every_backward_variant_large(variant: int, seed: int) -> None:
     rng = random.Random(seed)
     lens = random_lengths(rng, 8, 100, 2000)
@@ -70,7 +71,7 @@ def test_varlen_every_backward_variant_large(variant: int, seed: int) -> None:
                                        variant=variant), deterministic=det)
 
 
-@pytest.mark.parametrize("variant", [None, BWD_TWO_KERNEL, BWD_ONE_LAUNCH])
+@pytest.mark.parametrize("variant", [None, BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED])
 def test_varlen_64_sequences_64k_tokens_bit_identical(variant: int | None, seed: int) -> None:
     """The benchmark's shape: gradients bit-identical from run to run, outputs finite, for
     the default backward and each deterministic variant."""
