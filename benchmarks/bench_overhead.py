@@ -51,7 +51,9 @@ SCALE = SHAPE[-1] ** -0.5
 
 
 def _setup_db() -> str:
-    """An empty tuning database unless FLASHTUNE_DB names one (heuristic configs)."""
+    """An empty tuning database unless FLASHTUNE_DB names one (heuristic configs). Returns
+    what the results record: the database named, or that it was a temporary one (its
+    path is of no use off this host)."""
     if os.environ.get("FLASHTUNE_DB"):
         return os.environ["FLASHTUNE_DB"]
     path = os.path.join(tempfile.mkdtemp(prefix="flashtune-bench-"), "tuning.db")
@@ -62,7 +64,7 @@ def _setup_db() -> str:
         open_storage(path).close()
     except Exception as e:  # no database stack here: the dispatcher warns once, goes on
         print(f"(no tuning database: {type(e).__name__}: {e})")
-    return path
+    return "an empty temporary database (heuristic configs)"
 
 
 def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
