@@ -1,6 +1,8 @@
 """FlashAttention forward for Hopper (sm90), FA3-style, written in Gluon.
 
-One program (persistent or not) walks query tiles of ``BLOCK_M = 64 * CONSUMERS`` rows:
+One program (persistent or not) walks query tiles of ``BLOCK_M = 64 * CONSUMERS`` rows
+(one to three consumers; three is FA3's tile at D=64, where the consumers' share of the
+register file is 152-160 per thread):
 
 - a **producer** partition (the default one) loads each tile's Q (one 64-row slice per
   consumer) and streams the visible K/V tiles through a ring of ``STAGES`` shared-memory
@@ -311,7 +313,7 @@ def _attn_fwd_hopper_kernel(
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
-    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(CONSUMERS >= 1 and CONSUMERS <= 3)
     gl.static_assert(not PINGPONG or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
@@ -349,7 +351,33 @@ def _attn_fwd_hopper_kernel(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    if CONSUMERS == 2:
+    # The producer is the default partition; one worker partition per consumer warpgroup.
+    # Written out per count: Triton 3.6 traces the partition lists as literals (arguments
+    # gathered into a tuple variable lose their constexpr-ness there).
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
+                          q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
+                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                          IS_VARLEN)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
+                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,

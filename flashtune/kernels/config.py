@@ -22,6 +22,9 @@ from flashtune.kernels._triton_info import triton_version
 from flashtune.problem import Problem
 
 POW2_BLOCKS = (16, 32, 64, 128, 256)
+# The forward's query rows per program: the portable kernel takes powers of two; the Hopper
+# kernel runs one consumer warpgroup per 64 rows, so 192 is its three-consumer tile.
+FWD_BLOCK_M = (16, 32, 64, 128, 192, 256)
 WARPS = (1, 2, 4, 8, 16)
 STAGES = (1, 2, 3, 4, 5, 6)
 # 0 means "let the compiler choose". Otherwise a per-thread register cap (multiple of 8).
@@ -38,6 +41,8 @@ DEFAULT_SMEM_BYTES = 227 * 1024
 _REG_BUDGET = 224
 # Registers a thread needs beyond its tiles' fp32 values (addresses, softmax state, loop state).
 _REG_OVERHEAD = 64
+# The Hopper forward's margin with three consumer warpgroups (see _check_fwd_hopper).
+_REG_OVERHEAD_THREE_CONSUMERS = 24
 
 
 # Forward kernel families (FwdConfig.variant).
@@ -84,11 +89,11 @@ class FwdConfig:
 
     ``variant`` picks the kernel family and so which knobs exist: the portable kernel
     uses ``num_warps``, ``maxnreg`` and ``use_tma``; the Hopper kernel runs one consumer
-    warpgroup per 64 query rows (``block_m`` 64 or 128), a K/V ring ``num_stages`` deep,
+    warpgroup per 64 query rows (``block_m`` 64, 128 or 192), a K/V ring ``num_stages`` deep,
     and uses ``consumer_regs``, ``persistent``, ``tile_order`` and ``pingpong``.
     """
 
-    block_m: int = knob(64, POW2_BLOCKS, "query rows per program")
+    block_m: int = knob(64, FWD_BLOCK_M, "query rows per program (192: Hopper only)")
     block_n: int = knob(64, POW2_BLOCKS, "keys per inner-loop step")
     num_warps: int = knob(4, WARPS, "warps per program", variants=_P)
     num_stages: int = knob(2, STAGES, "pipelining depth of the K/V loop (Hopper: ring buffers)")
@@ -98,8 +103,8 @@ class FwdConfig:
                         variants=_P)
     variant: int = knob(PORTABLE, (PORTABLE, HOPPER),
                         "kernel family: 0 portable Triton FA2, 1 Hopper Gluon FA3 (sm90)")
-    consumer_regs: int = knob(240, (216, 232, 240), "registers per consumer thread",
-                              variants=_H)
+    consumer_regs: int = knob(240, (152, 160, 216, 232, 240),
+                              "registers per consumer thread", variants=_H)
     persistent: int = knob(0, (0, 1), "one program per SM looping over tiles", variants=_H)
     tile_order: int = knob(0, (0, 1, 2), "tile order: 0 query blocks fastest; 1 same, "
                            "heaviest first; 2 heads fastest, heaviest first", variants=_H)
@@ -335,27 +340,57 @@ def smem_fwd_hopper(c: FwdConfig, d: int) -> int:
     return 2 * d * (c.block_m + 2 * c.num_stages * c.block_n) + 1024
 
 
+def hopper_producer_regs(consumers: int, consumer_regs: int) -> int:
+    """Registers per thread that Triton leaves the producer warpgroup (the default
+    partition) when each of ``consumers`` 128-thread warpgroups asks for
+    ``consumer_regs``: the launch cap is 64K registers over all warps (in multiples of 8),
+    and what the consumers take above it comes out of the producer's share. Below 24
+    Triton skips the re-allocation altogether, silently, and every partition runs at the
+    launch cap (Triton's AllocateWarpGroups pass, 3.6)."""
+    warps = 4 * (1 + consumers)
+    cap = 65536 // (warps * 32) // 8 * 8
+    budget = cap * 128 + consumers * (cap - consumer_regs) * 128
+    return budget // 128 // 8 * 8
+
+
 def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
     if p.head_dim not in (64, 128):
         raise InfeasibleConfigError(
             f"fwd hopper: head_dim {p.head_dim} is not supported (allowed: 64, 128)")
-    if c.block_m not in (64, 128):
+    if c.block_m not in (64, 128, 192):
         raise InfeasibleConfigError(
             f"fwd hopper: block_m={c.block_m} (one consumer warpgroup per 64 rows; "
-            f"allowed: 64, 128)")
+            f"allowed: 64, 128, 192)")
+    consumers = c.block_m // 64
+    if consumers == 3 and p.head_dim > 64:
+        raise InfeasibleConfigError(
+            f"fwd hopper: block_m=192 (three consumers) needs head_dim 64, got {p.head_dim}: "
+            f"three consumer warpgroups share the register file, and a {p.head_dim}-wide "
+            f"accumulator does not fit their share")
     if c.block_n not in (64, 128):
         raise InfeasibleConfigError(f"fwd hopper: block_n={c.block_n} (allowed: 64, 128)")
     if not 2 <= c.num_stages <= 4:
         raise InfeasibleConfigError(
             f"fwd hopper: a K/V ring of {c.num_stages} buffers (allowed: 2 to 4)")
-    if c.pingpong and c.block_m != 128:
+    if c.pingpong and consumers != 2:
         raise InfeasibleConfigError("fwd hopper: pingpong needs two consumers (block_m=128)")
-    _check_smem("fwd hopper", smem_fwd_hopper(c, p.head_dim), smem_bytes)
-    # Per consumer thread: the fp32 score tile, the fp32 accumulator, P in 16 bits.
-    regs = (64 * c.block_n + 64 * p.head_dim) / 128 + 64 * c.block_n / 256
-    if regs + _REG_OVERHEAD > c.consumer_regs:
+    producer = hopper_producer_regs(consumers, c.consumer_regs)
+    if producer < 24:
         raise InfeasibleConfigError(
-            f"fwd hopper: ~{regs + _REG_OVERHEAD:.0f} registers per consumer thread exceed "
+            f"fwd hopper: consumer_regs={c.consumer_regs} for {consumers} consumer "
+            f"warpgroups leaves the producer {producer} registers per thread (at least 24)")
+    _check_smem("fwd hopper", smem_fwd_hopper(c, p.head_dim), smem_bytes)
+    # Per consumer thread: the fp32 score tile, the fp32 accumulator, P in 16 bits, and a
+    # margin. Three consumers get the tighter margin: their share is 152-160 registers by
+    # construction, and ptxas (Triton 3.6) builds the causal 192x128 tile at D=64 there
+    # without spilling, which ran 1.05-1.14x the two-consumer tuned configs on causal rows
+    # of S >= 4096 on the H200 (BENCHMARKS.md, issue 12); the unmasked one spills 84-900
+    # bytes and runs slower, which the tuner measures.
+    regs = (64 * c.block_n + 64 * p.head_dim) / 128 + 64 * c.block_n / 256
+    margin = _REG_OVERHEAD if consumers < 3 else _REG_OVERHEAD_THREE_CONSUMERS
+    if regs + margin > c.consumer_regs:
+        raise InfeasibleConfigError(
+            f"fwd hopper: ~{regs + margin:.0f} registers per consumer thread exceed "
             f"consumer_regs={c.consumer_regs}")
     reason = hopper_support()
     if reason:
@@ -369,6 +404,10 @@ def check_fwd(c: FwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) ->
         _check_fwd_hopper(c, p, smem_bytes)
         return
     d = padded_head_dim(p.head_dim)
+    if c.block_m & (c.block_m - 1):
+        raise InfeasibleConfigError(
+            f"fwd: block_m={c.block_m} is the Hopper kernel's three-consumer tile; the "
+            f"portable kernel takes powers of two")
     _check_launch("fwd", c.block_m, c.num_warps)
     _check_smem("fwd", smem_fwd(c, d), smem_bytes)
     _check_regs("fwd", _regs(c.block_m, c.block_n, d, c.num_warps), c.maxnreg, c.num_warps)
@@ -535,9 +574,15 @@ def default_fwd(p: Problem) -> FwdConfig:
         # - other causal or windowed rows: one tile per program balances the diagonal
         #   better;
         # - no mask: a persistent grid in query order, consumers taking turns.
+        # - causal rows longer than that at D=64: three consumers (192-row tiles), a ring
+        #   of three, 1.05-1.14x the shipped (tuned, two-consumer) configs at S >= 4096
+        #   (benchmarks/experiments/hopper_fwd_consumers.py);
         if p.causal and p.seqlen_q <= (2048 if p.head_dim == 64 else 512):
             return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2,
                              persistent=1, tile_order=2)
+        if p.causal and p.head_dim == 64 and p.window == (-1, -1):
+            return FwdConfig(variant=HOPPER, block_m=192, block_n=128, num_stages=3,
+                             consumer_regs=160)
         if p.causal or p.window != (-1, -1):
             return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)
         return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2, persistent=1,

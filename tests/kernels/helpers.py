@@ -156,7 +156,7 @@ def distinct_configs(first: FwdConfig | BwdConfig | None, p: Problem, rng: rando
     for _ in range(200 * n):
         if len(out) >= n:
             break
-        c = random_config(cls, p, rng, max_block=128, max_stages=max_stages, variant=variant)
+        c = random_config(cls, p, rng, max_block=192, max_stages=max_stages, variant=variant)
         if c not in seen:
             out.append(c)
             seen.add(c)

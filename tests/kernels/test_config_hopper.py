@@ -44,12 +44,21 @@ def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
     check_fwd(dataclasses.replace(HOP, pingpong=1, persistent=1, tile_order=2), P128)
     check_fwd(dataclasses.replace(HOP, block_m=64, block_n=64, num_stages=4),
               dataclasses.replace(P128, head_dim=64))
+    # Three consumers (FA3's D=64 tile), at the registers the producer's share leaves.
+    for regs in (152, 160):
+        check_fwd(dataclasses.replace(HOP, block_m=192, num_stages=3, consumer_regs=regs),
+                  dataclasses.replace(P128, head_dim=64))
 
 
 @pytest.mark.parametrize("change, problem_change, words", [
     ({}, {"head_dim": 96}, "head_dim 96"),
     ({}, {"head_dim": 256}, "head_dim 256"),
     ({"block_m": 256}, {}, "block_m=256"),
+    ({"block_m": 192, "consumer_regs": 160}, {}, "block_m=192 .three consumers. needs head_dim 64"),
+    ({"block_m": 192, "consumer_regs": 168}, {"head_dim": 64}, "leaves the producer 8 registers"),
+    ({"block_m": 192, "consumer_regs": 232}, {"head_dim": 64}, "leaves the producer"),
+    ({"block_m": 192, "consumer_regs": 160, "pingpong": 1}, {"head_dim": 64},
+     "pingpong needs two consumers"),
     ({"block_n": 32}, {}, "block_n=32"),
     ({"num_stages": 5}, {}, "ring of 5"),
     ({"num_stages": 4}, {}, "shared memory"),  # 4 x 2 x 128 x 128 x 2 B does not fit
@@ -165,6 +174,17 @@ def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
               dataclasses.replace(short64, head_dim=128)):
         assert default_fwd(p).variant == HOPPER and not default_fwd(p).persistent
     assert default_fwd(dataclasses.replace(short64, causal=False)).tile_order == 1
+    # Longer causal rows at D=64: three consumers; D=128 and unmasked rows keep two.
+    long64 = dataclasses.replace(short64, seqlen_q=4096, seqlen_k=4096)
+    assert default_fwd(long64).block_m == 192
+    for p in (dataclasses.replace(long64, head_dim=128), dataclasses.replace(long64, causal=False),
+              dataclasses.replace(long64, window=(256, 0))):
+        assert default_fwd(p).block_m == 128, p
+
+
+def test_portable_kernel_rejects_the_three_consumer_tile() -> None:
+    with pytest.raises(InfeasibleConfigError, match="block_m=192 is the Hopper kernel's"):
+        check_fwd(FwdConfig(block_m=192, block_n=64), dataclasses.replace(P128, head_dim=64))
 
 
 def test_serialization_round_trip_and_old_exports() -> None:
