@@ -118,7 +118,7 @@ def test_import_with_a_bad_entry_writes_nothing(tmp_path: Any) -> None:
     (lambda d: d["entries"][1].update(colour="red"), r"^entry 1: field colour: unknown field"),
     (lambda d: d["entries"][0].pop("median_ms"), r"^entry 0: field median_ms: missing"),
     (lambda d: d["entries"][0]["config"].update(block_m=48),
-     r"^entry 0: field config.block_m: 48 is not allowed; allowed: 16, 32, 64, 128, 256$"),
+     r"^entry 0: field config.block_m: 48 is not allowed; allowed: 16, 32, 64, 128, 192, 256$"),
     (lambda d: d["entries"][0]["config"].update(tma=True),
      r"^entry 0: field config.tma: unknown field; allowed: "),
     (lambda d: d["entries"][0]["problem"].update(sq_bucket=1000),
