@@ -51,28 +51,42 @@ def make_inputs(p: Problem) -> tuple[torch.Tensor, ...]:
                               (p.heads_kv, p.seqlen_k)))
 
 
-def scan(p: Problem, warmup: float, rep: float) -> dict[str, Any]:
+def time_configs(p: Problem, configs: dict[str, FwdConfig], warmup: float,
+                 rep: float) -> dict[str, Any]:
+    """The inference forward of each named config on ``p``, beside cuDNN: ``{"ms": {name:
+    median ms, "cudnn": ...}, "errors": {name: why not timed}}``. A config is timed only if
+    it is feasible, builds, and its output is within 2e-2 of cuDNN's."""
     q, k, v = make_inputs(p)
     cudnn = anchors(p)["cudnn"]
-    row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(),
-                           "default": dataclasses.asdict(default_fwd(p)), "ms": {},
-                           "errors": {}}
+    out: dict[str, Any] = {"ms": {}, "errors": {}}
     with torch.no_grad():
         ref = cudnn(q, k, v).float()
         fns = {"cudnn": lambda: cudnn(q, k, v)}
-        configs = {"default": default_fwd(p), **CANDIDATES}
         for name, c in configs.items():
-            if not is_feasible(c, p)[0]:
+            ok, why = is_feasible(c, p)
+            if not ok:
+                out["errors"][name] = f"infeasible: {why}"
                 continue
             cfg = (c, default_bwd(p))
             fn = (lambda cfg=cfg: flash_attention(q, k, v, causal=p.causal, config=cfg))
-            diff = (fn().float() - ref).abs().max().item()
+            try:
+                diff = (fn().float() - ref).abs().max().item()
+            except Exception as e:  # a build failure is a finding, not a crash of the scan
+                out["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
             if not diff <= 2e-2:
-                row["errors"][name] = f"differs from cuDNN by {diff:.3g}"
+                out["errors"][name] = f"differs from cuDNN by {diff:.3g}"
                 continue
             fns[name] = fn
         for name, fn in fns.items():
-            row["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+            out["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+    return out
+
+
+def scan(p: Problem, warmup: float, rep: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(),
+                           "default": dataclasses.asdict(default_fwd(p))}
+    row.update(time_configs(p, {"default": default_fwd(p), **CANDIDATES}, warmup, rep))
     return row
 
 

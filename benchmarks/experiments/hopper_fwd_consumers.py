@@ -29,18 +29,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import _label, environment  # noqa: E402
+from fwd_default_scan import time_configs  # noqa: E402
 
 from flashtune.kernels import config as kconfig  # noqa: E402
-from flashtune.kernels.attention import flash_attention  # noqa: E402
-from flashtune.kernels.config import (  # noqa: E402
-    HOPPER,
-    FwdConfig,
-    config_from_dict,
-    default_bwd,
-    is_feasible,
-)
+from flashtune.kernels.config import HOPPER, FwdConfig, config_from_dict  # noqa: E402
 from flashtune.problem import Problem, ProblemKey  # noqa: E402
-from flashtune.timing import anchors, standard_matrix, time_fn  # noqa: E402
+from flashtune.timing import standard_matrix  # noqa: E402
 
 T3 = FwdConfig(variant=HOPPER, block_m=192, block_n=64, num_stages=3, consumer_regs=160)
 CANDIDATES = {
@@ -68,45 +62,15 @@ def shipped_config(p: Problem, device_name: str) -> FwdConfig | None:
     return None
 
 
-def make_inputs(p: Problem) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(p.batch, h, s, p.head_dim, generator=g).to("cuda", torch.bfloat16)
-                 for h, s in ((p.heads_q, p.seqlen_q), (p.heads_kv, p.seqlen_k),
-                              (p.heads_kv, p.seqlen_k)))
-
-
 def scan(p: Problem, warmup: float, rep: float) -> dict[str, Any]:
-    q, k, v = make_inputs(p)
-    cudnn = anchors(p)["cudnn"]
-    row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "ms": {}, "errors": {},
-                           "configs": {}}
     configs: dict[str, FwdConfig] = {}
     shipped = shipped_config(p, torch.cuda.get_device_name())
     if shipped is not None:
         configs["shipped"] = shipped
     configs.update(CANDIDATES)
-    with torch.no_grad():
-        ref = cudnn(q, k, v).float()
-        fns = {"cudnn": lambda: cudnn(q, k, v)}
-        for name, c in configs.items():
-            ok, why = is_feasible(c, p)
-            if not ok:
-                row["errors"][name] = f"infeasible: {why}"
-                continue
-            row["configs"][name] = dataclasses.asdict(c)
-            cfg = (c, default_bwd(p))
-            fn = (lambda cfg=cfg: flash_attention(q, k, v, causal=p.causal, config=cfg))
-            try:
-                diff = (fn().float() - ref).abs().max().item()
-            except Exception as e:  # a build failure is a finding, not a crash of the scan
-                row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            if not diff <= 2e-2:
-                row["errors"][name] = f"differs from cuDNN by {diff:.3g}"
-                continue
-            fns[name] = fn
-        for name, fn in fns.items():
-            row["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+    row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(),
+                           "configs": {n: dataclasses.asdict(c) for n, c in configs.items()}}
+    row.update(time_configs(p, configs, warmup, rep))
     return row
 
 
