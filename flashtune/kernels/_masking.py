@@ -47,6 +47,33 @@ def _inner_range(start, inner_len, offset, left, right,
 
 
 @triton.jit
+def _tile_coords(tile, n_m, bh_total, chunk, ORDER: tl.constexpr):
+    """(batch * heads + head, query block) of a work tile. ORDER 0: query blocks fastest, in
+    order; 1: query blocks fastest, heaviest (last, for causal) first; 2: heads fastest,
+    heaviest first (longest-processing-time order across the whole grid); 3: as 2 within
+    chunks of ``chunk`` heads, one chunk after another (the host sizes a chunk so its K/V
+    stay in L2 while all its query blocks read them; with 2, a head's K/V are evicted
+    before its lighter query blocks come round when all heads' K/V exceed L2)."""
+    if ORDER == 3:
+        per_chunk = chunk * n_m
+        first = tile // per_chunk * chunk
+        width = tl.minimum(chunk, bh_total - first)
+        u = tile % per_chunk
+        bh = first + u % width
+        m_blk = n_m - 1 - u // width
+    elif ORDER == 2:
+        bh = tile % bh_total
+        m_blk = n_m - 1 - tile // bh_total
+    else:
+        bh = tile // n_m
+        if ORDER == 1:
+            m_blk = n_m - 1 - tile % n_m
+        else:
+            m_blk = tile % n_m
+    return bh, m_blk
+
+
+@triton.jit
 def _visible(rows, cols, n_rows, n_cols, offset, left, right,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     # rows: [R] outer indices, cols: [C] inner indices -> [R, C] boolean visibility + bounds.

@@ -6,7 +6,10 @@ register file is 152-160 per thread):
 
 - a **producer** partition (the default one) loads each tile's Q (one 64-row slice per
   consumer) and streams the visible K/V tiles through a ring of ``STAGES`` shared-memory
-  buffers with TMA, each buffer guarded by a full/empty mbarrier pair;
+  buffers with TMA, each buffer guarded by a full/empty mbarrier pair. In a persistent grid
+  Q is double-buffered where shared memory allows (``Q_BUFS``), so the producer loads the
+  next tile's Q and first K/V tiles while the consumers finish this one: on short rows a
+  tile has few key tiles, and loading at the tile boundary left the tensor cores waiting;
 - **consumer** warpgroups (one per 64 query rows) compute S = QKᵀ and O += PV with async
   ``warpgroup_mma``. The QKᵀ of tile j+1 is in flight while the softmax of tile j runs and
   PV of tile j-1 drains (FA3's intra-warpgroup overlap). With ``PINGPONG`` the two consumers
@@ -50,34 +53,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._masking import _inner_range
 from flashtune.kernels._masking import _tanh as _portable_tanh
-from flashtune.kernels.config import FwdConfig
+from flashtune.kernels._masking import _tile_coords as _portable_tile_coords
+from flashtune.kernels.config import FwdConfig, hopper_q_buffers, l2_chunk_heads
 
 ROWS_PER_WG = 64  # wgmma's M per warpgroup; each consumer owns 64 query rows
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 # The portable kernels' scalar and elementwise helpers, compiled as Gluon: one copy of the
-# visibility rule and of the precise tanh. _inner_range gives the key tiles [lo, hi) that
-# query rows [start, start + BLOCK_M) can see and the unmasked middle run [full_lo, full_hi).
+# visibility rule, of the persistent grid's tile orders (tested under the interpreter) and
+# of the precise tanh. _inner_range gives the key tiles [lo, hi) that query rows
+# [start, start + BLOCK_M) can see and the unmasked middle run [full_lo, full_hi).
 _tanh = gluon.jit(_portable_tanh.fn)
 _kv_range = gluon.jit(_inner_range.fn)
-
-
-@gluon.jit
-def _tile_coords(tile, n_m, bh_total, ORDER: gl.constexpr):
-    """(batch * heads + head, query block) of a work tile. ORDER 0: query blocks fastest, in
-    order; 1: query blocks fastest, heaviest (last, for causal) first; 2: heads fastest,
-    heaviest first (longest-processing-time order across the whole grid)."""
-    if ORDER == 2:
-        bh = tile % bh_total
-        m_blk = n_m - 1 - tile // bh_total
-    else:
-        bh = tile // n_m
-        if ORDER == 1:
-            m_blk = n_m - 1 - tile % n_m
-        else:
-            m_blk = tile % n_m
-    return bh, m_blk
+_tile_coords = gluon.jit(_portable_tile_coords.fn)
 
 
 @gluon.jit
@@ -107,15 +96,15 @@ def _load_tile(desc, smem, full, empty, phase, b, h, row):
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+              n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
               GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, ORDER: gl.constexpr,
+              STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     kv_count = 0
     t_local = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        bh, m_blk = _tile_coords(tile, n_m, bh_total, ORDER)
+        bh, m_blk = _tile_coords(tile, n_m, bh_total, chunk, ORDER)
         b = bh // heads_q
         h = bh % heads_q
         hk = h // GQA
@@ -128,9 +117,11 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         if q_start < len_q:
             lo, full_lo, full_hi, hi = _kv_range(q_start, len_k, len_k - len_q, left, right,
                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            q_slot = (t_local % Q_BUFS) * CONSUMERS
+            q_phase = ((t_local // Q_BUFS) & 1) ^ 1
             for c in gl.static_range(CONSUMERS):
-                _load_tile(desc_q, q_smem.index(c), q_full.index(c), q_empty.index(c),
-                           (t_local & 1) ^ 1, db, h, q_off + q_start + c * 64)
+                _load_tile(desc_q, q_smem.index(q_slot + c), q_full.index(q_slot + c),
+                           q_empty.index(q_slot + c), q_phase, db, h, q_off + q_start + c * 64)
             for start in range(lo, hi, BLOCK_N):
                 buf = kv_count % STAGES
                 phase = ((kv_count // STAGES) & 1) ^ 1
@@ -181,10 +172,11 @@ def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, s
 def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
               O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-              n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
+              n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
               qk_scale, cap_scale, cap_log2,
               CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
+              STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
+              PINGPONG: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               IS_VARLEN: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
@@ -202,7 +194,7 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
     t_local = 0
     turns = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        bh, m_blk = _tile_coords(tile, n_m, bh_total, ORDER)
+        bh, m_blk = _tile_coords(tile, n_m, bh_total, chunk, ORDER)
         q_off, k_off, len_q, len_k = _sequence(CU_Q, CU_K, bh // heads_q, seq_q, seq_k,
                                                IS_VARLEN)
         q_start = m_blk * BLOCK_M
@@ -216,8 +208,9 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
             m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([64], gl.float32, layout=row_s)
             acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-            mbarrier.wait(q_full.index(cid), t_local & 1)
-            q = q_smem.index(cid)
+            q_slot = (t_local % Q_BUFS) * CONSUMERS + cid
+            mbarrier.wait(q_full.index(q_slot), (t_local // Q_BUFS) & 1)
+            q = q_smem.index(q_slot)
             if n_iters > 0:
                 # Prologue: S of the first key tile, its softmax.
                 buf = kv_count % STAGES
@@ -277,8 +270,8 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                     turns += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(lbuf), count=1)
-            # Every product that read Q has completed: the producer may load the next tile's Q.
-            mbarrier.arrive(q_empty.index(cid), count=1)
+            # Every product that read this Q has completed: its buffer may take a later tile's.
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
             kv_count += n_iters
             t_local += 1
 
@@ -306,10 +299,10 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
 def _attn_fwd_hopper_kernel(
     desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K,
     stride_ob, stride_oh, stride_om,
-    heads_q, seq_q, seq_k, left, right, n_m, n_tiles,
+    heads_q, seq_q, seq_k, left, right, n_m, n_tiles, chunk,
     qk_scale, cap_scale, cap_log2,
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
+    STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
@@ -323,24 +316,26 @@ def _attn_fwd_hopper_kernel(
         # before the barriers and partitions are set up. The grid is sized by the longest
         # sequence, so most of a mixed batch's programs are such tiles.
         if gl.num_programs(0) == n_tiles:
-            bh, m_blk = _tile_coords(gl.program_id(0), n_m, bh_total, ORDER)
+            bh, m_blk = _tile_coords(gl.program_id(0), n_m, bh_total, chunk, ORDER)
             b = bh // heads_q
             if m_blk * (64 * CONSUMERS) >= gl.load(CU_Q + b + 1) - gl.load(CU_Q + b):
                 return
     # 2-D shared tiles for the tensor cores; TMA writes them through rank-4 views.
     q_layout: gl.constexpr = gl.NVMMASharedLayout(desc_q.layout.swizzle_byte_width, 16)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout(desc_k.layout.swizzle_byte_width, 16)
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, 64, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
+                                       mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
+                                        mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+    for i in gl.static_range(Q_BUFS * CONSUMERS):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
@@ -358,55 +353,55 @@ def _attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                          IS_VARLEN)),
+                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
+                          MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                          IS_VARLEN)),
+                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
+                          MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                          IS_VARLEN)),
+                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
+                          MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, ORDER,
-                         PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
+                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -444,6 +439,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_chunk(k: torch.Tensor, order: int, rows_k: int, gqa: int, bh_total: int) -> int:
+    """The kernel's ``chunk`` (:func:`~flashtune.kernels.config.l2_chunk_heads` on this
+    device for tile order 3; 1 for the other orders, which do not read it)."""
+    if order != 3:
+        return 1
+    return l2_chunk_heads(rows_k, k.shape[-1], k.element_size(), gqa, bh_total,
+                          _l2_bytes(k.device.index or 0))
+
+
 def _packed_view(t: torch.Tensor) -> torch.Tensor:
     """A packed (total, H, D) tensor as the rank-4 (1, H, total, D) view the descriptors
     take (same data, any 16-byte-aligned strides)."""
@@ -470,7 +479,7 @@ class HopperLaunch:
         if packed is None:
             b, hq, sq, _ = q.shape
             hk, sk = k.shape[1], k.shape[2]
-            rows = sq
+            rows, rows_k = sq, sk
             self.lse_shape: tuple[int, ...] = (b, hq, sq)
             o_strides = (o.stride(0), o.stride(1), o.stride(2))
             views = (q, k, v)
@@ -478,7 +487,7 @@ class HopperLaunch:
             cu_q, _, max_q, _ = packed
             b, hq, hk = cu_q.shape[0] - 1, q.shape[1], k.shape[1]
             sq, sk = q.shape[0], k.shape[0]
-            rows = max(int(max_q), 1)
+            rows, rows_k = max(int(max_q), 1), int(packed[3])
             self.lse_shape = (hq, sq)
             o_strides = (0, o.stride(1), o.stride(0))
             views = tuple(_packed_view(t) for t in (q, k, v))
@@ -494,12 +503,14 @@ class HopperLaunch:
         # Slots 0-6 (the q, k, v descriptors, o, lse, the prefix sums) change from call to
         # call.
         args = [None] * 7 + [*o_strides, hq, sq, sk, left, right, n_m, n_tiles,
+                             l2_chunk(k, c.tile_order, rows_k, hq // hk, b * hq),
                              qk_scale, cap_scale, cap_log2]
         kwargs = dict(
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
-            ORDER=c.tile_order, PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left,
-            MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs,
-            IS_VARLEN=packed is not None, num_warps=4)
+            Q_BUFS=hopper_q_buffers(c, q.shape[-1]), ORDER=c.tile_order,
+            PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
+            SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs, IS_VARLEN=packed is not None,
+            num_warps=4)
         self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 7)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

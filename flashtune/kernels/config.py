@@ -106,8 +106,9 @@ class FwdConfig:
     consumer_regs: int = knob(240, (152, 160, 216, 232, 240),
                               "registers per consumer thread", variants=_H)
     persistent: int = knob(0, (0, 1), "one program per SM looping over tiles", variants=_H)
-    tile_order: int = knob(0, (0, 1, 2), "tile order: 0 query blocks fastest; 1 same, "
-                           "heaviest first; 2 heads fastest, heaviest first", variants=_H)
+    tile_order: int = knob(0, (0, 1, 2, 3), "tile order: 0 query blocks fastest; 1 same, "
+                           "heaviest first; 2 heads fastest, heaviest first; 3 as 2 within "
+                           "chunks of heads whose K/V fit in L2", variants=_H)
     pingpong: int = knob(0, (0, 1), "the two consumer warpgroups take turns on the tensor "
                          "cores", variants=_H)
 
@@ -335,9 +336,34 @@ def hopper_support() -> str:
     return ""
 
 
+def _smem_fwd_hopper(c: FwdConfig, d: int, q_buffers: int) -> int:
+    # The Q buffers (one 64-row slice per consumer each), a ring of K and V tiles, and the
+    # mbarriers.
+    return 2 * d * (q_buffers * c.block_m + 2 * c.num_stages * c.block_n) + 1024
+
+
+def hopper_q_buffers(c: FwdConfig, d: int) -> int:
+    """Q buffers in the Hopper forward: two in a persistent grid where they fit beside the
+    K/V ring in sm90's shared memory, so the producer loads the next tile's Q, and then
+    its first K/V tiles, while the consumers still work on this one; else one (a program
+    of a plain grid runs a single tile)."""
+    if c.persistent and _smem_fwd_hopper(c, d, 2) <= DEFAULT_SMEM_BYTES:
+        return 2
+    return 1
+
+
 def smem_fwd_hopper(c: FwdConfig, d: int) -> int:
-    # One 64-row Q slice per consumer, a ring of K and V tiles, and the mbarriers.
-    return 2 * d * (c.block_m + 2 * c.num_stages * c.block_n) + 1024
+    return _smem_fwd_hopper(c, d, hopper_q_buffers(c, d))
+
+
+def l2_chunk_heads(rows_k: int, d: int, elem: int, gqa: int, bh_total: int,
+                   l2_bytes: int) -> int:
+    """Query heads per chunk in the Hopper forward's tile order 3: as many consecutive ones
+    as keep their K/V (``rows_k`` keys of ``d`` x ``elem`` bytes per K/V head, each shared
+    by ``gqa`` query heads) within half of an L2 of ``l2_bytes``, the rest left to Q, O
+    and other traffic; a whole number of K/V groups, at least one head, at most all."""
+    per_kv_head = 2 * max(rows_k, 1) * d * elem
+    return max(1, min(bh_total, l2_bytes // 2 // per_kv_head * gqa))
 
 
 def hopper_producer_regs(consumers: int, consumer_regs: int) -> int:
@@ -567,19 +593,22 @@ def default_fwd(p: Problem) -> FwdConfig:
     H200), else the portable kernel with FA2-on-Hopper rules of thumb."""
     if p.seqlen_q >= 128 and p.head_dim in (64, 128) and not host_bound(p) \
             and not hopper_support():
-        # Measured on the H200 (BENCHMARKS.md, issue 12, benchmarks/fwd_default_scan.py):
-        # - short causal rows (S <= 2048 at D=64, S <= 512 at D=128): a persistent grid
-        #   walking the heaviest tiles of every head first, 1.08-1.26x one tile per program
-        #   and, at D=64, 1.04-1.06x the portable kernel, which served them before;
-        # - other causal or windowed rows: one tile per program balances the diagonal
-        #   better;
-        # - no mask: a persistent grid in query order, consumers taking turns.
+        # Measured on the H200 (BENCHMARKS.md, issue 12):
+        # - short causal rows (S <= 2048 at D=64, S <= 4096 at D=128): a persistent grid
+        #   walking the heaviest tiles first within chunks of heads whose K/V stay in L2
+        #   (tile order 3), 1.02-1.11x the same grid over all heads at once (order 2),
+        #   which re-read every head's K/V from memory for each query block
+        #   (benchmarks/experiments/hopper_fwd_qbuffers.py); at D=128 the consumers take
+        #   turns;
         # - causal rows longer than that at D=64: three consumers (192-row tiles), a ring
         #   of three, 1.05-1.14x the shipped (tuned, two-consumer) configs at S >= 4096
         #   (benchmarks/experiments/hopper_fwd_consumers.py);
-        if p.causal and p.seqlen_q <= (2048 if p.head_dim == 64 else 512):
+        # - other causal or windowed rows: one tile per program balances the diagonal
+        #   better (benchmarks/fwd_default_scan.py);
+        # - no mask: a persistent grid in query order, consumers taking turns.
+        if p.causal and p.seqlen_q <= (2048 if p.head_dim == 64 else 4096):
             return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2,
-                             persistent=1, tile_order=2)
+                             persistent=1, tile_order=3, pingpong=int(p.head_dim == 128))
         if p.causal and p.head_dim == 64 and p.window == (-1, -1):
             return FwdConfig(variant=HOPPER, block_m=192, block_n=128, num_stages=3,
                              consumer_regs=160)

@@ -31,12 +31,16 @@ CASES = [
     (1, 2, 2, 64, 300, 128, "bf16", False, (0, 0), 0.0, "bhsd"),       # diagonal only
     (1, 2, 1, 200, 200, 128, "bf16", True, (-1, -1), 0.0, "dpad"),     # TMA-unaligned: falls back
     (1, 16, 16, 4096, 4096, 128, "bf16", True, (-1, -1), 0.0, "bhsd"),
+    # causal D=64 past 2048 (the three-consumer default), ~5 tiles per persistent program
+    (2, 16, 4, 2500, 2500, 64, "bf16", True, (-1, -1), 0.0, "bhsd"),
 ]
 
 
 def _hopper_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
-    """``n`` distinct feasible Hopper configs for ``p``; where three consumers can run
-    (D=64), the last of them has three (``block_m=192``), so every D=64 case covers them."""
+    """``n`` distinct feasible Hopper configs for ``p``. With ``n > 1``, at least one runs
+    a persistent grid (programs walk several tiles: the double-buffered Q); where three
+    consumers can run (D=64), the last of them has three (``block_m=192``, either
+    ``block_n``), so every D=64 case covers them."""
     import dataclasses
 
     from flashtune.kernels.config import HOPPER, default_fwd, is_feasible
@@ -44,11 +48,17 @@ def _hopper_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
     from .helpers import distinct_configs
 
     out = distinct_configs(default_fwd(p), p, rng, n, HOPPER, max_stages=4)
+    if n > 1 and not any(c.persistent for c in out[:-1]):
+        grids = [dataclasses.replace(c, persistent=1)
+                 for c in distinct_configs(None, p, rng, 8, HOPPER, max_stages=4)]
+        grids = [c for c in grids if is_feasible(c, p)[0] and c not in out]
+        assert grids, f"no feasible persistent config for {p}"
+        out[0 if len(out) < 3 else 1] = rng.choice(grids)
     if n > 1 and p.head_dim == 64 and all(c.block_m != 192 for c in out):
         three = [dataclasses.replace(c, block_m=192, pingpong=0, consumer_regs=regs,
-                                     block_n=64)
+                                     block_n=bn)
                  for c in distinct_configs(None, p, rng, 8, HOPPER, max_stages=4)
-                 for regs in (152, 160)]
+                 for regs in (152, 160) for bn in (64, 128)]
         three = [c for c in three if is_feasible(c, p)[0] and c not in out]
         assert three, f"no feasible three-consumer config for {p}"
         out[-1] = rng.choice(three)

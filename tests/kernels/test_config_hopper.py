@@ -166,12 +166,16 @@ def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
     # Shapes the variant cannot take stay portable.
     assert default_fwd(dataclasses.replace(P128, head_dim=96)).variant == PORTABLE
     assert default_fwd(dataclasses.replace(P128, seqlen_q=17)).variant == PORTABLE
-    # Short causal rows: a persistent grid, heaviest tiles of every head first (measured
-    # faster there); longer ones and unmasked rows keep their own grids.
+    # Short causal rows: a persistent grid, heaviest tiles first within chunks of heads
+    # whose K/V fit in L2 (measured faster there); longer ones and unmasked rows keep
+    # their own grids.
     short64 = dataclasses.replace(P128, head_dim=64, seqlen_q=1024, seqlen_k=1024)
-    assert (default_fwd(short64).persistent, default_fwd(short64).tile_order) == (1, 2)
+    short128 = dataclasses.replace(short64, head_dim=128, seqlen_q=4096, seqlen_k=4096)
+    for p in (short64, short128):
+        assert (default_fwd(p).persistent, default_fwd(p).tile_order) == (1, 3), p
+    assert default_fwd(short128).pingpong and not default_fwd(short64).pingpong
     for p in (dataclasses.replace(short64, seqlen_q=4096, seqlen_k=4096),
-              dataclasses.replace(short64, head_dim=128)):
+              dataclasses.replace(short128, seqlen_q=8192, seqlen_k=8192)):
         assert default_fwd(p).variant == HOPPER and not default_fwd(p).persistent
     assert default_fwd(dataclasses.replace(short64, causal=False)).tile_order == 1
     # Longer causal rows at D=64: three consumers; D=128 and unmasked rows keep two.
@@ -180,6 +184,28 @@ def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
     for p in (dataclasses.replace(long64, head_dim=128), dataclasses.replace(long64, causal=False),
               dataclasses.replace(long64, window=(256, 0))):
         assert default_fwd(p).block_m == 128, p
+
+
+def test_persistent_grids_double_buffer_q_where_it_fits(on_hopper: None) -> None:
+    """A persistent program walks several tiles: it gets a second Q buffer (the shared
+    memory estimate grows by one Q tile) unless that would push a config the kernel could
+    otherwise run past sm90's shared memory; a plain grid keeps one."""
+    pers = dataclasses.replace(HOP, persistent=1)
+    assert config.hopper_q_buffers(HOP, 128) == 1
+    assert config.hopper_q_buffers(pers, 128) == 2
+    assert config.smem_fwd_hopper(pers, 128) - config.smem_fwd_hopper(HOP, 128) == 2 * 128 * 128
+    # 128x128 tiles with a ring of three at D=128 fill shared memory with one Q buffer:
+    # persistent, they keep one and stay feasible.
+    ring3 = dataclasses.replace(pers, num_stages=3)
+    assert config.hopper_q_buffers(ring3, 128) == 1
+    check_fwd(ring3, P128)
+    assert config.hopper_q_buffers(ring3, 64) == 2
+    # The estimate is what feasibility checks: on a device with less shared memory, the
+    # second buffer makes the difference.
+    need = config.smem_fwd_hopper(pers, 128)
+    check_fwd(HOP, P128, smem_bytes=need - 1)
+    with pytest.raises(InfeasibleConfigError, match="fwd hopper: estimated shared memory"):
+        check_fwd(pers, P128, smem_bytes=need - 1)
 
 
 def test_portable_kernel_rejects_the_three_consumer_tile() -> None:
