@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,29 @@ def make_inputs(p: Problem) -> tuple[torch.Tensor, ...]:
                               (p.heads_kv, p.seqlen_k)))
 
 
+def check_and_time(builds: dict[str, Callable[[], Callable[[], torch.Tensor]]],
+                   ref: torch.Tensor, warmup: float, rep: float,
+                   out: dict[str, Any]) -> None:
+    """Build each named candidate (``builds[name]()`` returns the call that computes its
+    output), check that output against ``ref`` (max |diff| <= 2e-2), then time the ones
+    that pass into ``out["ms"][name]``; a build failure or a wrong output goes to
+    ``out["errors"][name]`` instead, never timed."""
+    fns = {}
+    for name, build in builds.items():
+        try:
+            fn = build()
+            diff = (fn().float() - ref).abs().max().item()
+        except Exception as e:  # a build failure is a finding, not a crash of the scan
+            out["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        if not diff <= 2e-2:
+            out["errors"][name] = f"differs from cuDNN by {diff:.3g}"
+            continue
+        fns[name] = fn
+    for name, fn in fns.items():
+        out["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+
+
 def time_configs(p: Problem, configs: dict[str, FwdConfig], warmup: float,
                  rep: float) -> dict[str, Any]:
     """The inference forward of each named config on ``p``, beside cuDNN: ``{"ms": {name:
@@ -59,27 +83,18 @@ def time_configs(p: Problem, configs: dict[str, FwdConfig], warmup: float,
     q, k, v = make_inputs(p)
     cudnn = anchors(p)["cudnn"]
     out: dict[str, Any] = {"ms": {}, "errors": {}}
+    builds: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+        "cudnn": lambda: (lambda: cudnn(q, k, v))}
+    for name, c in configs.items():
+        ok, why = is_feasible(c, p)
+        if not ok:
+            out["errors"][name] = f"infeasible: {why}"
+            continue
+        cfg = (c, default_bwd(p))
+        builds[name] = lambda cfg=cfg: (
+            lambda: flash_attention(q, k, v, causal=p.causal, config=cfg))
     with torch.no_grad():
-        ref = cudnn(q, k, v).float()
-        fns = {"cudnn": lambda: cudnn(q, k, v)}
-        for name, c in configs.items():
-            ok, why = is_feasible(c, p)
-            if not ok:
-                out["errors"][name] = f"infeasible: {why}"
-                continue
-            cfg = (c, default_bwd(p))
-            fn = (lambda cfg=cfg: flash_attention(q, k, v, causal=p.causal, config=cfg))
-            try:
-                diff = (fn().float() - ref).abs().max().item()
-            except Exception as e:  # a build failure is a finding, not a crash of the scan
-                out["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            if not diff <= 2e-2:
-                out["errors"][name] = f"differs from cuDNN by {diff:.3g}"
-                continue
-            fns[name] = fn
-        for name, fn in fns.items():
-            out["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+        check_and_time(builds, cudnn(q, k, v).float(), warmup, rep, out)
     return out
 
 

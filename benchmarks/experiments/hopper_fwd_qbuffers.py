@@ -33,14 +33,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import _label, environment  # noqa: E402
-from fwd_default_scan import make_inputs  # noqa: E402
+from fwd_default_scan import check_and_time, make_inputs  # noqa: E402
 from hopper_fwd_consumers import shipped_config  # noqa: E402
 
 from flashtune.kernels import attn_fwd_hopper  # noqa: E402
 from flashtune.kernels.attn_fwd import mask_params, score_scales  # noqa: E402
 from flashtune.kernels.config import HOPPER, FwdConfig, is_feasible  # noqa: E402
 from flashtune.problem import Problem  # noqa: E402
-from flashtune.timing import anchors, standard_matrix, time_fn  # noqa: E402
+from flashtune.timing import anchors, standard_matrix  # noqa: E402
 
 HOP = FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2, persistent=1)
 CANDIDATES = {
@@ -81,29 +81,21 @@ def scan(p: Problem, base: Any, warmup: float, rep: float) -> dict[str, Any]:
     cudnn = anchors(p)["cudnn"]
     row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "ms": {}, "errors": {},
                            "configs": {n: dataclasses.asdict(c) for n, c in configs.items()}}
+    builds: dict[str, Any] = {"cudnn": lambda: (lambda: cudnn(q, k, v))}
+    for name, c in configs.items():
+        ok, why = is_feasible(c, p)
+        if not ok:
+            row["errors"][name] = f"infeasible: {why}"
+            continue
+        kernels = (("new", attn_fwd_hopper),) if name in NEW_ONLY \
+            else (("base", base), ("new", attn_fwd_hopper))
+        for tag, mod in kernels:
+            def build(mod: Any = mod, c: FwdConfig = c) -> Any:
+                launch = mod.HopperLaunch(q, k, v, config=c, **kw)
+                return lambda: launch(q, k, v)[0]
+            builds[f"{tag}:{name}"] = build
     with torch.no_grad():
-        ref = cudnn(q, k, v).float()
-        fns = {"cudnn": lambda: cudnn(q, k, v)}
-        for name, c in configs.items():
-            ok, why = is_feasible(c, p)
-            if not ok:
-                row["errors"][name] = f"infeasible: {why}"
-                continue
-            kernels = (("new", attn_fwd_hopper),) if name in NEW_ONLY \
-                else (("base", base), ("new", attn_fwd_hopper))
-            for tag, mod in kernels:
-                try:
-                    launch = mod.HopperLaunch(q, k, v, config=c, **kw)
-                    diff = (launch(q, k, v)[0].float() - ref).abs().max().item()
-                except Exception as e:  # a build failure is a finding, not a crash
-                    row["errors"][f"{tag}:{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    continue
-                if not diff <= 2e-2:
-                    row["errors"][f"{tag}:{name}"] = f"differs from cuDNN by {diff:.3g}"
-                    continue
-                fns[f"{tag}:{name}"] = (lambda launch=launch: launch(q, k, v))
-        for name, fn in fns.items():
-            row["ms"][name] = time_fn(fn, warmup_ms=warmup, rep_ms=rep).median_ms
+        check_and_time(builds, cudnn(q, k, v).float(), warmup, rep, row)
     return row
 
 
