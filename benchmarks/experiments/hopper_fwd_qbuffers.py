@@ -16,6 +16,10 @@ process under the house protocol (DESIGN.md). Both kernels launch through their 
     git show 299faf4:flashtune/kernels/attn_fwd_hopper.py > base_fwd_hopper.py
     python benchmarks/experiments/hopper_fwd_qbuffers.py --baseline base_fwd_hopper.py \\
         --out $OUT/qbuffers.json
+
+A baseline that already has tile order 3 (a module from a650e01 on) runs every config, so
+the script also serves as a plain A/B of two versions of the kernel (session 22's
+``fwd_hopper_nospill.patch``); ``--configs`` and ``--shapes`` narrow the scan.
 """
 
 from __future__ import annotations
@@ -69,8 +73,11 @@ def load_baseline(path: str) -> Any:
     return mod
 
 
-def scan(p: Problem, base: Any, warmup: float, rep: float) -> dict[str, Any]:
-    configs = {**CANDIDATES, **NEW_ONLY}
+def scan(p: Problem, base: Any, warmup: float, rep: float,
+         only: list[str] | None = None) -> dict[str, Any]:
+    configs = {n: c for n, c in {**CANDIDATES, **NEW_ONLY}.items() if not only or n in only}
+    # A baseline that has tile order 3 (l2_chunk) runs every config.
+    base_all = hasattr(base, "l2_chunk")
     shipped = shipped_config(p, torch.cuda.get_device_name())
     if shipped is not None and shipped.variant == HOPPER and shipped.persistent:
         configs = {"shipped": shipped, **configs}
@@ -87,7 +94,7 @@ def scan(p: Problem, base: Any, warmup: float, rep: float) -> dict[str, Any]:
         if not ok:
             row["errors"][name] = f"infeasible: {why}"
             continue
-        kernels = (("new", attn_fwd_hopper),) if name in NEW_ONLY \
+        kernels = (("new", attn_fwd_hopper),) if name in NEW_ONLY and not base_all \
             else (("base", base), ("new", attn_fwd_hopper))
         for tag, mod in kernels:
             def build(mod: Any = mod, c: FwdConfig = c) -> Any:
@@ -107,13 +114,18 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--warmup", type=float, default=25.0)
     ap.add_argument("--rep", type=float, default=100.0)
+    ap.add_argument("--configs", default="",
+                    help="comma-separated candidate names to time (default: all, and shipped)")
+    ap.add_argument("--shapes", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
+    only = [n for n in args.configs.split(",") if n]
+    shapes = [n for n in args.shapes.split(",") if n]
     base = load_baseline(args.baseline)
     rows = []
     for p in standard_matrix():
-        if p.seqlen_q > args.max_seq:
+        if p.seqlen_q > args.max_seq or (shapes and _label(p) not in shapes):
             continue
-        row = scan(p, base, args.warmup, args.rep)
+        row = scan(p, base, args.warmup, args.rep, only and [*only, "shipped"])
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     with open(args.out, "w") as f:
@@ -121,7 +133,7 @@ def main() -> None:
                    "candidates": {k: dataclasses.asdict(c)
                                   for k, c in {**CANDIDATES, **NEW_ONLY}.items()},
                    "rows": rows}, f, indent=1)
-    names = ["shipped", *CANDIDATES]
+    names = ["shipped", *CANDIDATES, *(NEW_ONLY if hasattr(base, "l2_chunk") else [])]
     print(f"{'shape':30s}" + "".join(f"{n[:14]:>30s}" for n in names))
     print(f"{'':30s}" + f"{'base/cuDNN new/cuDNN new/base':>30s}" * len(names))
     gains: dict[str, list[float]] = {n: [] for n in names}
