@@ -73,11 +73,15 @@ def load_baseline(path: str) -> Any:
     return mod
 
 
+def has_order3(base: Any) -> bool:
+    """A baseline with tile order 3 (a650e01 on, ``l2_chunk``) runs every config."""
+    return hasattr(base, "l2_chunk")
+
+
 def scan(p: Problem, base: Any, warmup: float, rep: float,
          only: list[str] | None = None) -> dict[str, Any]:
     configs = {n: c for n, c in {**CANDIDATES, **NEW_ONLY}.items() if not only or n in only}
-    # A baseline that has tile order 3 (l2_chunk) runs every config.
-    base_all = hasattr(base, "l2_chunk")
+    base_all = has_order3(base)
     shipped = shipped_config(p, torch.cuda.get_device_name())
     if shipped is not None and shipped.variant == HOPPER and shipped.persistent:
         configs = {"shipped": shipped, **configs}
@@ -125,7 +129,7 @@ def main() -> None:
     for p in standard_matrix():
         if p.seqlen_q > args.max_seq or (shapes and _label(p) not in shapes):
             continue
-        row = scan(p, base, args.warmup, args.rep, only and [*only, "shipped"])
+        row = scan(p, base, args.warmup, args.rep, only)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     with open(args.out, "w") as f:
@@ -133,7 +137,7 @@ def main() -> None:
                    "candidates": {k: dataclasses.asdict(c)
                                   for k, c in {**CANDIDATES, **NEW_ONLY}.items()},
                    "rows": rows}, f, indent=1)
-    names = ["shipped", *CANDIDATES, *(NEW_ONLY if hasattr(base, "l2_chunk") else [])]
+    names = ["shipped", *CANDIDATES, *(NEW_ONLY if has_order3(base) else [])]
     print(f"{'shape':30s}" + "".join(f"{n[:14]:>30s}" for n in names))
     print(f"{'':30s}" + f"{'base/cuDNN new/cuDNN new/base':>30s}" * len(names))
     gains: dict[str, list[float]] = {n: [] for n in names}

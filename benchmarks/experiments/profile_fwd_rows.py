@@ -4,8 +4,10 @@
         python3 benchmarks/experiments/profile_fwd_rows.py --shape 32,16,512,128 --causal
 
 ``--impl flashtune`` (the heuristic default, or ``--config`` as FwdConfig keyword=value
-pairs) or ``--impl cudnn`` (SDPA's cuDNN backend), 10 launches, then a CUDA-event median
-of 50 more, printed, so the profile's kernel can be read beside its unprofiled time.
+pairs) or ``--impl cudnn`` (SDPA's cuDNN backend): 20 plain launches (the profiler's pick
+lies among them: cuDNN gets no kernel filter), then the house protocol's median
+(``flashtune.timing.time_fn``: do_bench, L2 flushed), printed, so the profiled kernel can
+be read beside its unprofiled time.
 """
 
 from __future__ import annotations
@@ -46,20 +48,14 @@ def main() -> None:
 
         def run() -> torch.Tensor:
             return flashtune.flash_attention(q, k, v, causal=a.causal, config=cfg)
+    from flashtune.timing import time_fn
+
     with torch.no_grad():
-        for _ in range(10):
+        for _ in range(20):
             run()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(50):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            run()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-    times.sort()
-    print(f"{a.impl} {a.shape} causal={a.causal} median_ms={times[len(times) // 2]:.4f}")
+        median = time_fn(run).median_ms
+    print(f"{a.impl} {a.shape} causal={a.causal} median_ms={median:.4f}")
 
 
 if __name__ == "__main__":
