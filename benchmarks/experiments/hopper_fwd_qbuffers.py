@@ -60,6 +60,8 @@ NEW_ONLY = {
     "128x128_o3_pp": dataclasses.replace(HOP, tile_order=3, pingpong=1),
     "128x128_o3_plain": dataclasses.replace(HOP, tile_order=3, persistent=0),
     "128x64_s4_o3": dataclasses.replace(HOP, block_n=64, num_stages=4, tile_order=3),
+    # At D=128 a ring of three 128-key stages leaves room for one Q buffer only.
+    "128x128_s3_o3": dataclasses.replace(HOP, num_stages=3, tile_order=3),
     "192x128_s3_o3": dataclasses.replace(HOP, block_m=192, num_stages=3, tile_order=3,
                                          consumer_regs=160),
 }

@@ -43,6 +43,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -96,14 +97,14 @@ def _load_tile(desc, smem, full, empty, phase, b, h, row):
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-              n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+              n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
               GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     kv_count = 0
     t_local = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), n_tiles, n_progs):
         bh, m_blk = _tile_coords(tile, n_m, bh_total, chunk, ORDER)
         b = bh // heads_q
         h = bh % heads_q
@@ -171,8 +172,8 @@ def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, s
 @gluon.jit
 def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
-              O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-              n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+              desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+              n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
               qk_scale, cap_scale, cap_log2,
               CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
@@ -193,7 +194,7 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
     kv_count = 0
     t_local = 0
     turns = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), n_tiles, n_progs):
         bh, m_blk = _tile_coords(tile, n_m, bh_total, chunk, ORDER)
         q_off, k_off, len_q, len_k = _sequence(CU_Q, CU_K, bh // heads_q, seq_q, seq_k,
                                                IS_VARLEN)
@@ -270,8 +271,6 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                     turns += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(lbuf), count=1)
-            # Every product that read this Q has completed: its buffer may take a later tile's.
-            mbarrier.arrive(q_empty.index(q_slot), count=1)
             kv_count += n_iters
             t_local += 1
 
@@ -283,23 +282,43 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                            (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
             b = (bh // heads_q).to(gl.int64)
             h = (bh % heads_q).to(gl.int64)
-            rows_o = row0 + gl.arange(0, 64, layout=row_o)
-            cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = O + b * stride_ob + h * stride_oh \
-                + (q_off + rows_o).to(gl.int64)[:, None] * stride_om + cols_o[None, :]
-            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < len_q)[:, None])
+            if IS_VARLEN:
+                # Rows past the sequence's end belong to the next one: masked plain stores.
+                rows_o = row0 + gl.arange(0, 64, layout=row_o)
+                cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+                o_ptrs = O + b * stride_ob + h * stride_oh \
+                    + (q_off + rows_o).to(gl.int64)[:, None] * stride_om + cols_o[None, :]
+                gl.store(o_ptrs, out.to(dtype), mask=(rows_o < len_q)[:, None])
+            else:
+                # Every product that read this Q has completed: O goes out through its
+                # buffer with one TMA store (rows past Sq are clipped by the descriptor),
+                # not 64 partial-sector stores per thread.
+                q.store(out.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(
+                    desc_o, [bh // heads_q, bh % heads_q, row0, 0],
+                    q._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout))
+                tma.store_wait(0)
+            # Q's buffer may take a later tile's.
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
+            # seq_q >= 0, widened without a sign: a sign-extended kernel argument is a value
+            # ptxas keeps live across the whole loop (and, at 240 registers, spills). (A
+            # seq_q of 1 arrives as a constant: to_tensor makes it a value either way.)
+            lse_rows = gl.to_tensor(seq_q).to(gl.uint32).to(gl.int64)
             if IS_VARLEN:  # (Hq, total_q)
-                lse_ptrs = LSE + h * seq_q + q_off + rows
+                lse_ptrs = LSE + h * lse_rows + q_off + rows
             else:  # (B, Hq, Sq)
-                lse_ptrs = LSE + bh.to(gl.int64) * seq_q + rows
+                lse_ptrs = LSE + bh.to(gl.int64) * lse_rows + rows
             gl.store(lse_ptrs, lse, mask=rows < len_q)
 
 
-@gluon.jit
+# The grid size and B*Hq vary with the batch; left unspecialized, a reduced problem (the
+# tuner's correctness gate) launches the binary that the full one times.
+@gluon.jit(do_not_specialize=["n_progs", "bh_total"])
 def _attn_fwd_hopper_kernel(
-    desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K,
     stride_ob, stride_oh, stride_om,
-    heads_q, seq_q, seq_k, left, right, n_m, n_tiles, chunk,
+    heads_q, seq_q, seq_k, left, right, n_m, n_tiles, n_progs, bh_total, chunk,
     qk_scale, cap_scale, cap_log2,
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
@@ -310,12 +329,11 @@ def _attn_fwd_hopper_kernel(
     gl.static_assert(not PINGPONG or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
-    bh_total = n_tiles // n_m
     if IS_VARLEN:
         # One tile per program (not persistent): a tile past its sequence's end exits here,
         # before the barriers and partitions are set up. The grid is sized by the longest
         # sequence, so most of a mixed batch's programs are such tiles.
-        if gl.num_programs(0) == n_tiles:
+        if n_progs == n_tiles:
             bh, m_blk = _tile_coords(gl.program_id(0), n_m, bh_total, chunk, ORDER)
             b = bh // heads_q
             if m_blk * (64 * CONSUMERS) >= gl.load(CU_Q + b + 1) - gl.load(CU_Q + b):
@@ -353,55 +371,67 @@ def _attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
-                          MASK_RIGHT, IS_VARLEN)),
+                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                          left, right, GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER,
+                          MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
-                          MASK_RIGHT, IS_VARLEN)),
+                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                          left, right, GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER,
+                          MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                           q_full, q_empty, k_full, k_empty, v_full, v_empty, CU_Q, CU_K,
-                          n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                          GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER, MASK_LEFT,
-                          MASK_RIGHT, IS_VARLEN)),
+                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                          left, right, GQA, CONSUMERS, BLOCK_N, STAGES, Q_BUFS, ORDER,
+                          MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
             (_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                         v_empty, turn, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
-                         n_tiles, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
-                         qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS,
-                         ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP, IS_VARLEN)),
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om,
+                         n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
+                         left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
+                         STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -482,7 +512,7 @@ class HopperLaunch:
             rows, rows_k = sq, sk
             self.lse_shape: tuple[int, ...] = (b, hq, sq)
             o_strides = (o.stride(0), o.stride(1), o.stride(2))
-            views = (q, k, v)
+            views = (q, k, v, o)
         else:
             cu_q, _, max_q, _ = packed
             b, hq, hk = cu_q.shape[0] - 1, q.shape[1], k.shape[1]
@@ -490,7 +520,7 @@ class HopperLaunch:
             rows, rows_k = max(int(max_q), 1), int(packed[3])
             self.lse_shape = (hq, sq)
             o_strides = (0, o.stride(1), o.stride(0))
-            views = tuple(_packed_view(t) for t in (q, k, v))
+            views = tuple(_packed_view(t) for t in (q, k, v, o))
         left, right, mask_left, mask_right = mask
         qk_scale, cap_scale, cap_log2 = scales
         consumers = c.block_m // ROWS_PER_WG
@@ -499,11 +529,12 @@ class HopperLaunch:
         grid_size = min(n_tiles, _sm_count(q.device.index or 0)) if c.persistent else n_tiles
         self.templates = (template(_descriptor(views[0], ROWS_PER_WG)),
                           template(_descriptor(views[1], c.block_n)),
-                          template(_descriptor(views[2], c.block_n)))
-        # Slots 0-6 (the q, k, v descriptors, o, lse, the prefix sums) change from call to
-        # call.
-        args = [None] * 7 + [*o_strides, hq, sq, sk, left, right, n_m, n_tiles,
-                             l2_chunk(k, c.tile_order, rows_k, hq // hk, b * hq),
+                          template(_descriptor(views[2], c.block_n)),
+                          template(_descriptor(views[3], ROWS_PER_WG)))
+        # Slots 0-7 (the q, k, v and o descriptors, o, lse, the prefix sums) change from
+        # call to call.
+        args = [None] * 8 + [*o_strides, hq, sq, sk, left, right, n_m, n_tiles, grid_size,
+                             b * hq, l2_chunk(k, c.tile_order, rows_k, hq // hk, b * hq),
                              qk_scale, cap_scale, cap_log2]
         kwargs = dict(
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_N=c.block_n, STAGES=c.num_stages,
@@ -511,20 +542,20 @@ class HopperLaunch:
             PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs, IS_VARLEN=packed is not None,
             num_warps=4)
-        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 7)
+        self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 8)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
-        tq, tk, tv = self.templates
+        tq, tk, tv, to = self.templates
         if cu_q is None:
             cu_q = cu_k = lse  # dense: unused pointers
         # A descriptor template reads only its tensor's data pointer, which a packed
         # tensor shares with its rank-4 view.
         self.launch(descriptor_like(tq, q), descriptor_like(tk, k), descriptor_like(tv, v),
-                    o, lse, cu_q, cu_k)
+                    descriptor_like(to, o), o, lse, cu_q, cu_k)
         return o, lse
 
 

@@ -64,14 +64,18 @@ def _real_inputs(p: Problem) -> tuple[Any, Any, Any, Any]:
 
 class _Recorder:
     """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the arguments'
-    classes instead of launching."""
+    classes instead of launching (an argument the kernel declares ``do_not_specialize``
+    has none)."""
 
-    def __init__(self, name: str, log: list[Any]) -> None:
+    def __init__(self, name: str, log: list[Any], kernel: Any) -> None:
         self.name, self.log = name, log
+        self.free = {i for i, prm in enumerate(getattr(kernel, "params", []))
+                     if getattr(prm, "do_not_specialize", False)}
 
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> None:
-            self.log.append((self.name, [_class(x) for x in args],
+            self.log.append((self.name, [("free",) if i in self.free else _class(x)
+                                         for i, x in enumerate(args)],
                              {k: _class(v) for k, v in kwargs.items()}))
         return launch
 
@@ -90,7 +94,7 @@ def _launch_classes(monkeypatch: pytest.MonkeyPatch, p: Problem, direction: str,
     for mod in modules:
         for name, obj in list(vars(mod).items()):
             if name.startswith("_attn") and hasattr(obj, "__getitem__"):
-                monkeypatch.setattr(mod, name, _Recorder(name, seen))
+                monkeypatch.setattr(mod, name, _Recorder(name, seen, obj))
     q, k, lse, packed = inputs
     v = torch.empty_like(k)
     cu = () if packed is None else (packed.cu_q, packed.cu_k)

@@ -278,10 +278,12 @@ def test_hopper_launch_reads_a_packed_batch_through_rank4_views(device) -> None:
                           softcap=0.0, config=h, packed=(cu, cu, 250, 250))
     args, kw = launch.launch.args, launch.launch.kwargs
     assert launch.lse_shape == (4, 300) and kw["IS_VARLEN"] and kw["GQA"] == 2
-    assert args[7:13] == [0, 64, 256, 4, 300, 300]  # O strides (batch, head, row), Hq, totals
-    n_m = args[15]
-    assert n_m == 2 and args[16] == n_m * 3 * 4 == launch.launch.grid[0]  # tiles: 250 rows
-    tq, tk, _ = launch.templates
+    assert args[8:14] == [0, 64, 256, 4, 300, 300]  # O strides (batch, head, row), Hq, totals
+    n_m = args[16]
+    assert n_m == 2 and args[17] == n_m * 3 * 4 == launch.launch.grid[0]  # tiles: 250 rows
+    assert args[18] == launch.launch.grid[0] and args[19] == 3 * 4  # grid size, B * Hq
+    tq, tk, _, to = launch.templates
+    assert (list(to.shape), list(to.block_shape)) == ([1, 4, 300, 64], [1, 1, 64, 64])
     assert (list(tq.shape), list(tq.strides)) == ([1, 4, 300, 64], [76800, 64, 256, 1])
     assert (list(tk.shape), list(tk.block_shape)) == ([1, 2, 300, 64], [1, 1, 64, 64])
 
@@ -290,7 +292,7 @@ def test_hopper_launch_reads_a_packed_batch_through_rank4_views(device) -> None:
                          .transpose(1, 2), mask=(0, 0, False, True), scales=(0.125, 0.0, 0.0),
                          softcap=0.0, config=h)
     assert dense.lse_shape == (3, 4, 100) and not dense.launch.kwargs["IS_VARLEN"]
-    assert dense.launch.args[7:13] == [25600, 64, 256, 4, 100, 100]
+    assert dense.launch.args[8:14] == [25600, 64, 256, 4, 100, 100]
 
 
 def _gpu_inputs(seed: int, s: int = 257, d: int = 64) -> list[torch.Tensor]:
