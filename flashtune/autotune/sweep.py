@@ -111,6 +111,7 @@ class _Progress:
         self.flops = task.problem.flops(task.direction)
 
     def __call__(self, ev: dict[str, Any]) -> None:
+        check_interrupted()
         if ev.get("event") != "trial":
             return
         best = ev.get("best_ms")
@@ -164,6 +165,7 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
     with open_storage(opts.db_url, create=False) as storage, TuneSession() as session:
         warm = False
         while True:
+            check_interrupted()
             task = board.claim(sid, worker, lease_s=opts.lease_s, retry_failed=opts.retry_failed)
             if task is None:
                 left = counts(board.tasks(sid))
@@ -207,6 +209,18 @@ def run_worker(board: Board, sid: str, opts: Options, *, worker: str | None = No
 
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number
 _received: list[str] = []
+_armed: list[bool] = [False]  # interrupt_on_sigterm's handlers are installed
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt if a SIGTERM or SIGINT arrived while the handlers of
+    :func:`interrupt_on_sigterm` were installed. The handler's own KeyboardInterrupt can be
+    lost: raised while Python runs a weakref callback or a ``__del__`` (garbage collection
+    can run either at any point), it is printed as "Exception ignored" and the program goes
+    on. The sweep calls this before each task and at each of the tuner's events, so a lost
+    interrupt still stops it within a trial."""
+    if _armed[0] and _received:
+        raise KeyboardInterrupt
 
 
 def interrupt_on_sigterm() -> Callable[[], None]:
@@ -221,8 +235,10 @@ def interrupt_on_sigterm() -> Callable[[], None]:
 
     _received.clear()
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    _armed[0] = True
 
     def restore() -> None:
+        _armed[0] = False
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -346,11 +346,18 @@ def _run(board: Any, sid: str, opts: Any, gpu_ids: list[str], interpreter: bool,
 
 def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) -> list[str]:
     """Run one worker process per GPU; returns a line per worker that failed."""
+    from flashtune.autotune.sweep import check_interrupted
+
     with tempfile.TemporaryDirectory(prefix="flashtune-sweep-") as tmp:
         procs = _spawn_workers(gpu_ids, sid, opts, interpreter, Path(tmp))
         try:
             for _, p, _ in procs:
-                p.wait()
+                while True:
+                    try:
+                        p.wait(timeout=0.5)
+                        break
+                    except subprocess.TimeoutExpired:
+                        check_interrupted()  # a KeyboardInterrupt lost in a callback
         except KeyboardInterrupt:
             # A Ctrl-C reached them too, a `kill` of this process alone did not: pass it
             # on, and let them release their tasks.

@@ -111,3 +111,65 @@ def test_the_first_task_finds_the_processes_started(tmp_path: Path,
         assert run_worker(b, sid, Options(db_url=db_url, trials=2)) == \
             {"done": 2, "failed": 0, "cached": 0}
     assert seen == [(True, 1), (True, 1)]
+
+
+def _lose_a_sigterm() -> None:
+    """Deliver SIGTERM to this process where its KeyboardInterrupt is lost, as Python loses
+    one raised inside a weakref callback or ``__del__`` ("Exception ignored")."""
+    import signal
+
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            pass
+    except KeyboardInterrupt:
+        return
+    raise AssertionError("the SIGTERM handler did not run")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("when", ["before the first task", "during a trial"])
+def test_a_lost_interrupt_still_stops_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                when: str) -> None:
+    """A SIGTERM whose KeyboardInterrupt was swallowed stops the worker at its next task or
+    tuner event (the task in hand goes back to pending, no later task starts); once the
+    handlers are restored, the same process sweeps normally again."""
+    import flashtune.autotune.sweep as sweep_mod
+    from flashtune.autotune.sweep import Options, interrupt_on_sigterm, run_worker
+    from flashtune.db.fingerprint import device_info, software_info
+
+    db_url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    started: list[str] = []
+    events: list[str] = []
+    real = sweep_mod.tune_task
+
+    def losing(task, opts, storage, session, progress):  # type: ignore[no-untyped-def]
+        started.append(task.key.short())
+
+        def progress_losing(ev: dict) -> None:  # type: ignore[type-arg]
+            events.append(ev.get("event", ""))
+            if ev.get("event") == "trial" and len(events) < 50:
+                _lose_a_sigterm()
+            progress(ev)
+        return real(task, opts, storage, session, progress_losing)
+
+    monkeypatch.setattr(sweep_mod, "tune_task", losing)
+    with Board(db_url) as b:
+        sid = b.create(device_info(), software_info(), tasks_for(_tiny(2), ["fwd"]), 2)
+        restore = interrupt_on_sigterm()
+        try:
+            if when == "before the first task":
+                _lose_a_sigterm()
+            with pytest.raises(KeyboardInterrupt):
+                run_worker(b, sid, Options(db_url=db_url, trials=3))
+        finally:
+            restore()
+        assert sorted(t.state for t in b.tasks(sid)) == ["pending", "pending"]
+        if when == "before the first task":
+            assert started == []
+        else:  # stopped at the first trial's event, in the first task
+            assert len(started) == 1 and events.count("trial") == 1, (started, events)
+        monkeypatch.setattr(sweep_mod, "tune_task", real)
+        assert run_worker(b, sid, Options(db_url=db_url, trials=2)) == \
+            {"done": 2, "failed": 0, "cached": 0}
