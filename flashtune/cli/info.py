@@ -83,7 +83,9 @@ def info(db_url: str | None, as_json: bool) -> None:
     gpu = "" if d["cuda_available"] else "  (no CUDA GPU: kernels need --interpret)"
     click.echo(f"device     {dev['name']} (sm {dev['capability']}, {dev['sm_count']} SMs, "
                f"{dev['memory_gb']} GiB)  fingerprint {dev['fingerprint']}{gpu}")
-    click.echo(f"software   fingerprint {sw['fingerprint']} (kernels {sw['kernels_hash'][:12]})")
+    fwd = f", forward {sw['fwd_kernels_hash'][:12]}" if sw.get("fwd_kernels_hash") else ""
+    click.echo(f"software   fingerprint {sw['fingerprint']} "
+               f"(kernels {sw['kernels_hash'][:12]}{fwd})")
     click.echo("versions   " + "  ".join(f"{k} {v}" for k, v in d["versions"].items()))
     state = "" if db["exists"] else "  (not created yet)"
     click.echo(f"database   {db['path'] or db['url']}{state}")

@@ -5,9 +5,13 @@ device fingerprint decides *where* a config may be served; the software fingerpr
 decides whether it is fresh. It covers what changes the generated code: the kernel
 sources (a hash of their files, less the host-only wiring: :data:`HOST_ONLY_MODULES`),
 the Triton version and the version of the ptxas that
-Triton runs. A result made under other ones is stale (kept, used as a warm-start seed,
-never served as tuned); :func:`stale_fields` names the fields that differ. The torch and
-CUDA runtime versions are kept with each result as provenance only.
+Triton runs. A forward result is stored under the hash of the forward's sources alone
+(every hashed module but the backward's own, :data:`BWD_ONLY_MODULES`), so a change to
+the backward kernels leaves the forward's results fresh; a backward result, whose kernels
+import the forward's, under the hash of them all. A result made under other ones is
+stale (kept, used as a warm-start seed, never served as tuned); :func:`stale_fields`
+names the fields that differ. The torch and CUDA runtime versions are kept with each
+result as provenance only.
 
 A ptxas version of ``""`` means *not recorded* (results of flashtune <= 0.1, before the
 database kept it): such a result is judged by the other fields, since Triton runs the
@@ -25,7 +29,7 @@ import importlib.util
 import os
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -72,28 +76,59 @@ CODE_FIELDS = ("kernels_hash", "triton", "ptxas")
 class SoftwareInfo:
     """The software a result was tuned under. ``triton``, ``ptxas`` and ``kernels_hash``
     (the ``ft_software`` table) make the fingerprint; ``torch`` and ``cuda`` are provenance,
-    kept per result."""
+    kept per result.
+
+    ``fwd_kernels_hash`` is set on the running process's software only
+    (:func:`software_info`): the hash of the sources a forward result depends on.
+    :meth:`for_direction` gives the software a result of one direction is stored under."""
 
     torch: str
     triton: str
     cuda: str
     kernels_hash: str
     ptxas: str = UNRECORDED
+    fwd_kernels_hash: str = field(default="", compare=False)
 
     @property
     def fingerprint(self) -> str:
         return _digest(self.triton, self.ptxas, self.kernels_hash)
 
+    def for_direction(self, direction: str) -> SoftwareInfo:
+        """The software a ``direction`` result measured under this one is stored under:
+        for the forward, ``kernels_hash`` is the forward's own where known."""
+        if direction == "fwd" and self.fwd_kernels_hash:
+            return replace(self, kernels_hash=self.fwd_kernels_hash, fwd_kernels_hash="")
+        return replace(self, fwd_kernels_hash="") if self.fwd_kernels_hash else self
+
+    def kernel_hashes(self, direction: str | None = None) -> list[str]:
+        """The stored ``kernels_hash`` values that are fresh under this software for a
+        result of ``direction`` (None: either): all the sources' hash, and for the forward
+        its own (a forward result stored before forward hashes, or by an older flashtune,
+        carries the whole hash, which still says whether its sources are unchanged)."""
+        own = [self.fwd_kernels_hash] if self.fwd_kernels_hash and direction != "bwd" else []
+        return [self.kernels_hash, *own]
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.fwd_kernels_hash:
+            del d["fwd_kernels_hash"]
+        return d
 
 
-def stale_fields(stored: SoftwareInfo, current: SoftwareInfo) -> list[str]:
-    """The code fields in which ``stored`` differs from ``current`` (empty: fresh). An
-    unrecorded ptxas (:data:`UNRECORDED`) matches any."""
-    return [f for f in CODE_FIELDS
-            if getattr(stored, f) != getattr(current, f)
-            and not (f == "ptxas" and UNRECORDED in (stored.ptxas, current.ptxas))]
+def stale_fields(stored: SoftwareInfo, current: SoftwareInfo,
+                 direction: str | None = None) -> list[str]:
+    """The code fields in which ``stored``, the software of a result of ``direction``,
+    differs from ``current`` (empty: fresh). An unrecorded ptxas (:data:`UNRECORDED`)
+    matches any; the kernels hash matches any of ``current.kernel_hashes(direction)``."""
+    out = []
+    for f in CODE_FIELDS:
+        if f == "kernels_hash":
+            if stored.kernels_hash not in current.kernel_hashes(direction or "bwd"):
+                out.append(f)
+        elif getattr(stored, f) != getattr(current, f) \
+                and not (f == "ptxas" and UNRECORDED in (stored.ptxas, current.ptxas)):
+            out.append(f)
+    return out
 
 
 @functools.cache
@@ -142,13 +177,24 @@ leaves it fresh. Every other module, and any new one, is hashed;
 launch."""
 
 
-def kernels_hash(root: Path = _KERNELS_DIR) -> str:
+BWD_ONLY_MODULES = frozenset({"attn_bwd.py", "attn_bwd_hopper.py", "_bwd_common.py"})
+"""The backward's own modules: no module of the forward (its kernels, their launch, the
+config rules, the masking helpers) imports them, and ``reference.py`` only inside the
+backward's branch of its check, so the forward's generated code and launches cannot depend
+on them, and a forward result's freshness ignores them (``tests/db/test_fingerprint.py``
+checks the imports). The backward imports the forward's modules, so a backward result's
+hash covers everything."""
+
+
+def kernels_hash(root: Path = _KERNELS_DIR, direction: str | None = None) -> str:
     """sha256 over the kernel package's ``*.py`` files but :data:`HOST_ONLY_MODULES`
-    (top level): relative path and bytes, sorted."""
+    (top level), and for ``direction="fwd"`` but :data:`BWD_ONLY_MODULES` too: relative
+    path and bytes, sorted."""
+    skip = HOST_ONLY_MODULES | (BWD_ONLY_MODULES if direction == "fwd" else frozenset())
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
         rel = path.relative_to(root).as_posix()
-        if rel in HOST_ONLY_MODULES:
+        if rel in skip:
             continue
         data = path.read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode())
@@ -204,4 +250,4 @@ def software_info() -> SoftwareInfo:
         triton = _version("pytorch-triton")
     return SoftwareInfo(torch=str(torch.__version__), triton=triton,
                         cuda=str(torch.version.cuda or "none"), kernels_hash=kernels_hash(),
-                        ptxas=ptxas_version())
+                        ptxas=ptxas_version(), fwd_kernels_hash=kernels_hash(direction="fwd"))

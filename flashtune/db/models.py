@@ -194,13 +194,15 @@ class ResultRow(Base):
              key: ProblemKey | None = None) -> Select[Any]:
         """Finder: the results of ``device``, fresh under ``software`` (its code fields: the
         kernel sources, Triton, and ptxas where both sides recorded it), of ``key``; None
-        leaves that side open."""
+        leaves that side open. Without a key, a backward result under the forward's own
+        hash passes the filter: read it through :meth:`Result.against`."""
         stmt = select(cls).join(cls.device).join(cls.software).join(cls.problem)
         if device is not None:
             stmt = stmt.where(Device.fingerprint == device.fingerprint)
         if software is not None:
+            hashes = software.kernel_hashes(None if key is None else key.direction)
             stmt = stmt.where(Software.triton == software.triton,
-                              Software.kernels_hash == software.kernels_hash)
+                              Software.kernels_hash.in_(hashes))
             if software.ptxas != UNRECORDED:
                 stmt = stmt.where(Software.ptxas.in_([software.ptxas, UNRECORDED]))
         if key is not None:

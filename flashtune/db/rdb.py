@@ -472,7 +472,7 @@ class RDBStorage(Storage):
             found = self._results(s, self._select(device, software, key), software)
         out: dict[ProblemKey, Result] = {}
         for r in sorted(found, key=lambda r: (not r.trusted, r.median_ms)):
-            if r.servable != failed:
+            if r.servable != failed and not r.stale:
                 out.setdefault(r.key, r)
         return out
 

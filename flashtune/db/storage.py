@@ -101,7 +101,7 @@ class Result:
 
     def against(self, software: SoftwareInfo) -> Result:
         """This result with ``stale`` computed against ``software``."""
-        stale = bool(stale_fields(self.software, software))
+        stale = bool(stale_fields(self.software, software, self.key.direction))
         return self if stale == self.stale else replace(self, stale=stale)
 
 
@@ -166,7 +166,8 @@ class Storage(abc.ABC):
         """Store one result measured here (provenance: this host, now, this flashtune;
         ``origin="local"``); True if written."""
         host, created_at, version = provenance()
-        r = Result(device=device, software=software, key=key, problem=problem,
+        r = Result(device=device, software=software.for_direction(key.direction), key=key,
+                   problem=problem,
                    config=dict(config), median_ms=median_ms, p20_ms=p20_ms, p80_ms=p80_ms,
                    tflops=tflops, max_error=max_error, trials=trials,
                    search_seconds=search_seconds, host=host, created_at=created_at,

@@ -46,9 +46,10 @@ _KEY_FIELDS = tuple(f.name for f in fields(ProblemKey) if f.name != "direction")
 # (a deterministic, dense problem), and an export leaves them out where they have them.
 _KEY_DEFAULTS = {f.name: f.default for f in fields(ProblemKey) if f.name != "direction"
                  and f.default is not MISSING}
-_SOFTWARE_FIELDS = tuple(f.name for f in fields(SoftwareInfo))
+# fwd_kernels_hash belongs to the running process's software, never to a result's.
+_SOFTWARE_FIELDS = tuple(f.name for f in fields(SoftwareInfo) if f.name != "fwd_kernels_hash")
 _SOFTWARE_DEFAULTS = {f.name: f.default for f in fields(SoftwareInfo)
-                      if f.default is not MISSING}
+                      if f.default is not MISSING and f.name in _SOFTWARE_FIELDS}
 _EXAMPLE_FIELDS = tuple(f.name for f in fields(Problem))
 
 
@@ -265,10 +266,12 @@ def from_entry(e: Any, software: SoftwareInfo | None = None) -> Result:
 def to_entry(r: Result) -> dict[str, Any]:
     """The export entry of a result (no fingerprints, no staleness, no origin or verify
     outcome, which belong to the database that holds it: pure content). Key and software
-    fields at their defaults are left out, so older exports keep their bytes."""
+    fields at their defaults are left out, so older exports keep their bytes. A result
+    built with the running process's software is exported under its direction's
+    (:meth:`SoftwareInfo.for_direction`)."""
     key = {k: v for k, v in r.key.as_dict().items()
            if k != "direction" and not (k in _KEY_DEFAULTS and v == _KEY_DEFAULTS[k])}
-    software = {k: v for k, v in r.software.as_dict().items()
+    software = {k: v for k, v in r.software.for_direction(r.key.direction).as_dict().items()
                 if not (k in _SOFTWARE_DEFAULTS and v == _SOFTWARE_DEFAULTS[k])}
     return {
         "direction": r.key.direction, "problem": key,

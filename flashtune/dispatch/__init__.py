@@ -306,8 +306,7 @@ def results_written(url: str, results: list[Result]) -> None:
             if table.database != url:
                 continue
             for r in results:
-                if r.device.fingerprint != table.device.fingerprint or \
-                        r.software.fingerprint != sw.fingerprint:
+                if r.device.fingerprint != table.device.fingerprint or r.against(sw).stale:
                     continue
                 entry = parse(r, "user")
                 if entry is not None:

@@ -80,7 +80,8 @@ def as_result(out: Any, device: DeviceInfo) -> Result | None:
         return out
     try:
         host, created_at, version = provenance()
-        return Result(device=device, software=software_info(), key=out.key,
+        return Result(device=device, software=software_info().for_direction(out.key.direction),
+                      key=out.key,
                       problem=out.problem, config=config_to_dict(out.config),
                       median_ms=out.median_ms, p20_ms=out.p20_ms, p80_ms=out.p80_ms,
                       tflops=out.tflops, max_error=out.max_error, trials=out.trials,

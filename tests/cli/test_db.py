@@ -59,8 +59,11 @@ def test_export_fresh_leaves_out_stale_results(filled: Path) -> None:
     entries = json.loads(stdout)["entries"]
     assert code == 0 and len(entries) == sum(not r.stale for r in rs) < len(rs)
     sw = software_info()
-    assert {(e["software"]["kernels_hash"], e["software"]["triton"]) for e in entries} \
-        == {(sw.kernels_hash, sw.triton)}
+    # each under its direction's hash (the forward's own sources, or all of them)
+    assert {(e["direction"], e["software"]["kernels_hash"], e["software"]["triton"])
+            for e in entries} == {(d, sw.for_direction(d).kernels_hash, sw.triton)
+                                  for d in {e["direction"] for e in entries}}
+    assert sw.for_direction("fwd").kernels_hash != sw.kernels_hash
 
 
 def test_show_json_lists_fresh_entries_unless_stale(filled: Path) -> None:

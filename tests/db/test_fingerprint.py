@@ -11,6 +11,7 @@ import pytest
 
 import flashtune.kernels
 from flashtune.db.fingerprint import (
+    BWD_ONLY_MODULES,
     CPU_INTERPRETER,
     HOST_ONLY_MODULES,
     DeviceInfo,
@@ -99,6 +100,95 @@ def test_kernels_hash_leaves_out_the_host_only_modules(tmp_path: Path) -> None:
         (tmp_path / name).write_text("changed = True\n")
         assert kernels_hash(tmp_path) != first, name
         first = kernels_hash(tmp_path)
+
+
+def test_the_forward_hash_leaves_out_the_backwards_own_modules(tmp_path: Path) -> None:
+    for name in ("attn_fwd.py", "attn_bwd.py", "attn_bwd_hopper.py", "_bwd_common.py",
+                 "config.py", "_plans.py"):
+        (tmp_path / name).write_text(f"# {name}\n")
+    fwd, whole = kernels_hash(tmp_path, "fwd"), kernels_hash(tmp_path)
+    assert fwd != whole and kernels_hash(tmp_path, "bwd") == whole
+    for name in sorted(BWD_ONLY_MODULES):  # the backward's own: the forward's hash holds
+        (tmp_path / name).write_text("changed = True\n")
+        assert kernels_hash(tmp_path, "fwd") == fwd, name
+        assert kernels_hash(tmp_path) != whole, name
+        whole = kernels_hash(tmp_path)
+    for name in ("attn_fwd.py", "config.py"):  # shared or the forward's: both move
+        (tmp_path / name).write_text("changed = True\n")
+        assert kernels_hash(tmp_path, "fwd") != fwd and kernels_hash(tmp_path) != whole, name
+        fwd, whole = kernels_hash(tmp_path, "fwd"), kernels_hash(tmp_path)
+    (tmp_path / "_plans.py").write_text("changed = True\n")  # host-only: neither
+    assert (kernels_hash(tmp_path, "fwd"), kernels_hash(tmp_path)) == (fwd, whole)
+
+
+def _imported_kernel_modules(tree: ast.AST) -> set[str]:
+    """File names of the ``flashtune.kernels`` modules an AST imports (any form)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1:
+                mod = "flashtune.kernels." + mod if mod else "flashtune.kernels"
+            if mod == "flashtune.kernels":
+                out |= {f"{a.name}.py" for a in node.names}
+            elif mod.startswith("flashtune.kernels."):
+                out.add(mod.split(".")[2] + ".py")
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[2] + ".py" for a in node.names
+                    if a.name.startswith("flashtune.kernels.")}
+    return out
+
+
+def test_no_forward_module_imports_the_backwards_own() -> None:
+    """What lets a forward result ignore :data:`BWD_ONLY_MODULES`: no hashed module of the
+    forward imports one, at any level, but ``reference.py``, and that only inside the
+    backward's branch of ``check`` (a forward case never reaches it)."""
+    root = Path(flashtune.kernels.__file__).parent
+    assert BWD_ONLY_MODULES <= {p.name for p in root.glob("*.py")}
+    for path in sorted(root.glob("*.py")):
+        if path.name in HOST_ONLY_MODULES | BWD_ONLY_MODULES:
+            continue
+        tree = ast.parse(path.read_text())
+        if path.name == "reference.py":
+            top = ast.Module(body=[n for n in tree.body  # type: ignore[call-overload]
+                                   if not isinstance(n, (ast.FunctionDef, ast.ClassDef))],
+                             type_ignores=[])
+            assert not _imported_kernel_modules(top) & BWD_ONLY_MODULES
+            for fn in ast.walk(tree):
+                if isinstance(fn, ast.FunctionDef) and \
+                        _imported_kernel_modules(fn) & BWD_ONLY_MODULES:
+                    assert fn.name == "check", fn.name
+                    src = ast.get_source_segment(path.read_text(), fn) or ""
+                    # the forward branch returns before the backward's import is used
+                    assert 'if self.direction == "fwd":' in src
+            continue
+        assert not _imported_kernel_modules(tree) & BWD_ONLY_MODULES, path.name
+
+
+def test_a_forward_result_is_judged_by_the_forwards_sources() -> None:
+    from dataclasses import replace
+
+    from flashtune.db.fingerprint import stale_fields
+
+    now = replace(BASE, fwd_kernels_hash="f" * 64)
+    fwd_stored, bwd_stored = now.for_direction("fwd"), now.for_direction("bwd")
+    assert (fwd_stored.kernels_hash, bwd_stored.kernels_hash) == ("f" * 64, "a" * 64)
+    assert "fwd_kernels_hash" not in fwd_stored.as_dict()
+    assert stale_fields(fwd_stored, now, "fwd") == stale_fields(bwd_stored, now, "bwd") == []
+    # Stored before forward hashes (the whole hash): fresh while no source changed.
+    assert stale_fields(bwd_stored, now, "fwd") == []
+    # A backward-only change: the forward's results stay fresh, the backward's go stale.
+    after = replace(now, kernels_hash="c" * 64)
+    assert stale_fields(fwd_stored, after, "fwd") == []
+    assert stale_fields(bwd_stored, after, "bwd") == ["kernels_hash"]
+    assert stale_fields(bwd_stored, after, "fwd") == ["kernels_hash"]  # legacy: can't tell
+    # A forward change: everything goes stale.
+    after = replace(now, kernels_hash="c" * 64, fwd_kernels_hash="d" * 64)
+    assert stale_fields(fwd_stored, after, "fwd") == ["kernels_hash"]
+    # A backward result never counts as fresh under the forward's hash; without a
+    # direction the rule is the whole hash's.
+    assert stale_fields(fwd_stored, now, "bwd") == stale_fields(fwd_stored, now) \
+        == ["kernels_hash"]
 
 
 def _launch_deciding_names(tree: ast.AST) -> list[str]:

@@ -7,6 +7,7 @@ import os
 import random
 import sqlite3
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,41 @@ def test_stale_results_are_kept_counted_and_never_served(storage: Storage) -> No
     counts = storage.counts(software=SW)
     assert (counts["entries"], counts["stale"]) == (2, 1)
     assert counts["devices"][H200.fingerprint] == {"name": H200.name, "entries": 2, "stale": 1}
+
+
+def test_a_backward_change_leaves_the_forward_results_fresh(storage: Storage,
+                                                            tmp_path: Path) -> None:
+    """Measured under the running software (both hashes known), a forward result is stored
+    under the forward's hash and a backward one under the whole; after a change to the
+    backward's own modules only the backward's go stale, and an export carries no
+    process-only field."""
+    from flashtune.db.exchange import export_json, import_json
+
+    rng = random.Random(11)
+    now = dataclasses.replace(SW, fwd_kernels_hash="f" * 64)
+    fwd = _data.result(rng, direction="fwd")
+    bwd = _data.result(rng, direction="bwd")
+    for r in (fwd, bwd):
+        assert storage.put_result(H200, now, r.key, r.config, **put_kwargs(r))
+    stored = {r.key.direction: r.software.kernels_hash for r in storage.results(software=now)}
+    assert stored == {"fwd": "f" * 64, "bwd": "a" * 64}
+    assert set(storage.load_table(H200, now)) == {fwd.key, bwd.key}
+    after = dataclasses.replace(now, kernels_hash="c" * 64)  # attn_bwd.py changed
+    assert set(storage.load_table(H200, after)) == {fwd.key}
+    assert storage.get_result(H200, after, fwd.key) is not None
+    assert storage.get_result(H200, after, bwd.key) is None
+    assert {r.key.direction: r.stale for r in storage.results(software=after)} == \
+        {"fwd": False, "bwd": True}
+    # A legacy forward result (the whole hash) is fresh until anything changes.
+    legacy = _data.result(rng, direction="fwd")
+    storage.put_results([legacy])
+    assert storage.get_result(H200, now, legacy.key) == legacy
+    assert storage.get_result(H200, after, legacy.key) is None
+    data = export_json(storage)
+    assert b"fwd_kernels_hash" not in data and ("f" * 64).encode() in data
+    with open_storage(f"sqlite:///{tmp_path / 'copy.db'}") as copy:
+        import_json(copy, data)
+        assert set(copy.load_table(H200, after)) == {fwd.key}
 
 
 @contract

@@ -145,7 +145,8 @@ def test_default_when_no_bucket_of_the_family(db, device, seed):
 def test_stale_results_are_never_served(db, device, seed):
     p = prob()
     sw = software_info()
-    put(db, p, "fwd", FWD_A, software=dataclasses.replace(sw, kernels_hash="0" * 64))
+    put(db, p, "fwd", FWD_A,
+        software=dataclasses.replace(sw, kernels_hash="0" * 64, fwd_kernels_hash="0" * 64))
     assert chosen(p, device) == default_fwd(p)
 
 
