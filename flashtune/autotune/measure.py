@@ -185,14 +185,27 @@ class Bench:
         return self._do, self.q, self.k, self.v, o, lse
 
     def fn(self, direction: str, config: FwdConfig | BwdConfig) -> Callable[[], Any]:
-        """A zero-argument launch of ``config`` (the forward, or the backward launcher)."""
+        """A zero-argument launch of ``config`` (the forward, or the backward launcher).
+
+        The forward's launch is prepared once (a :class:`FwdLaunch`, as the hot path keeps
+        one per call signature), so a call costs the host what a user's call does. Built
+        per call (``attn_fwd``: plan, descriptors, binding), its host time can exceed what
+        the GPU spends on a short forward and the L2 flush before it; the stream then runs
+        dry and the CUDA events around the kernel time the host's wait too. That is the
+        suspected cause, not yet confirmed on a GPU, of final re-timings that read short
+        forwards 1.4-1.9x slower than their own trials (BENCHMARKS.md, issue 17, session
+        23)."""
         import flashtune.kernels.attn_bwd as bwd_mod
         import flashtune.kernels.attn_fwd as fwd_mod
 
         q, k, v, kw = self.q, self.k, self.v, self.kw
         cfg: Any = config
         if direction == "fwd":
-            return lambda: fwd_mod.attn_fwd(q, k, v, config=cfg, **kw)
+            launch = fwd_mod.FwdLaunch(q, k, v, config=cfg, **kw)
+            packed = kw.get("packed")
+            if packed is None:
+                return lambda: launch(q, k, v)
+            return lambda: launch(q, k, v, packed.cu_q, packed.cu_k)
         args = self._bwd_args()
         det = self.problem.deterministic
         return lambda: bwd_mod.attn_bwd(*args, config=cfg, deterministic=det, **kw)

@@ -208,3 +208,31 @@ def test_gate_problem_keeps_the_compiled_specialization_and_shrinks_where_it_can
         assert within or stuck, (p, g)
     assert m._same_specialization(32, 16) and not m._same_specialization(16, 8)
     assert not m._same_specialization(2, 1) and m._same_specialization(8, 4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_forward_launch_is_prepared_once(device: str, seed: int, packed: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed forward is a prepared launch (what a user's repeated call runs), built once
+    per config: each call gives attn_fwd's output for fresh buffers, and builds nothing."""
+    import flashtune.kernels.attn_fwd as fwd_mod
+
+    p = dataclasses.replace(P, total_q=70, total_k=90, batch=2) if packed else P
+    bench = Bench(p, device, seed=seed)
+    built = []
+    real = fwd_mod.FwdLaunch.__init__
+
+    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
+        built.append(1)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(fwd_mod.FwdLaunch, "__init__", counting)
+    cfg = default_fwd(p)
+    f = bench.fn("fwd", cfg)
+    o1, l1 = f()
+    o2, l2 = f()
+    assert len(built) == 1
+    assert o1.data_ptr() != o2.data_ptr()  # fresh outputs per call, as the gate needs
+    want_o, want_l = fwd_mod.attn_fwd(bench.q, bench.k, bench.v, config=cfg, **bench.kw)
+    assert torch.equal(o2, want_o) and torch.equal(l2, want_l)
+    assert len(built) == 2  # attn_fwd builds one per call
