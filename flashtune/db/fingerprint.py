@@ -100,7 +100,7 @@ class SoftwareInfo:
             return replace(self, kernels_hash=self.fwd_kernels_hash, fwd_kernels_hash="")
         return replace(self, fwd_kernels_hash="") if self.fwd_kernels_hash else self
 
-    def kernel_hashes(self, direction: str | None = None) -> list[str]:
+    def fresh_hashes(self, direction: str | None = None) -> list[str]:
         """The stored ``kernels_hash`` values that are fresh under this software for a
         result of ``direction`` (None: either): all the sources' hash, and for the forward
         its own (a forward result stored before forward hashes, or by an older flashtune,
@@ -119,11 +119,11 @@ def stale_fields(stored: SoftwareInfo, current: SoftwareInfo,
                  direction: str | None = None) -> list[str]:
     """The code fields in which ``stored``, the software of a result of ``direction``,
     differs from ``current`` (empty: fresh). An unrecorded ptxas (:data:`UNRECORDED`)
-    matches any; the kernels hash matches any of ``current.kernel_hashes(direction)``."""
+    matches any; the kernels hash matches any of ``current.fresh_hashes(direction)``."""
     out = []
     for f in CODE_FIELDS:
         if f == "kernels_hash":
-            if stored.kernels_hash not in current.kernel_hashes(direction or "bwd"):
+            if stored.kernels_hash not in current.fresh_hashes(direction or "bwd"):
                 out.append(f)
         elif getattr(stored, f) != getattr(current, f) \
                 and not (f == "ptxas" and UNRECORDED in (stored.ptxas, current.ptxas)):

@@ -200,7 +200,7 @@ class ResultRow(Base):
         if device is not None:
             stmt = stmt.where(Device.fingerprint == device.fingerprint)
         if software is not None:
-            hashes = software.kernel_hashes(None if key is None else key.direction)
+            hashes = software.fresh_hashes(None if key is None else key.direction)
             stmt = stmt.where(Software.triton == software.triton,
                               Software.kernels_hash.in_(hashes))
             if software.ptxas != UNRECORDED:
