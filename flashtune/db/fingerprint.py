@@ -123,7 +123,9 @@ def stale_fields(stored: SoftwareInfo, current: SoftwareInfo,
     out = []
     for f in CODE_FIELDS:
         if f == "kernels_hash":
-            if stored.kernels_hash not in current.fresh_hashes(direction or "bwd"):
+            # Without a direction, only the whole hash says the sources are unchanged.
+            fresh = current.fresh_hashes(direction) if direction else [current.kernels_hash]
+            if stored.kernels_hash not in fresh:
                 out.append(f)
         elif getattr(stored, f) != getattr(current, f) \
                 and not (f == "ptxas" and UNRECORDED in (stored.ptxas, current.ptxas)):
