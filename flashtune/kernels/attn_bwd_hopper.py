@@ -161,9 +161,29 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
 
 
 @gluon.jit
+def _dq_chunk(ds_smem, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
+              BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
+              CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr, dq_layout: gl.constexpr):
+    """Issue (asynchronously) chunk ``c`` of this consumer's dQ columns: over every
+    consumer's keys when the consumers split dQ's columns (SPLIT_D), else over its own."""
+    dq = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
+    if SPLIT_D:
+        for j in gl.static_range(CONSUMERS):
+            dq = warpgroup_mma(ds_smem.index(j).permute((1, 0)),
+                               k_smem.index(j).slice(cid * DQ_COLS + c * DQ_CHUNK, DQ_CHUNK,
+                                                     dim=1),
+                               dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_buf.permute((1, 0)),
+                           k_smem.index(cid).slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq,
+                           is_async=True)
+    return dq
+
+
+@gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
-                  LSE, Delta, desc_dq, DQ, DK, DV, Sem,
+                  LSE, Delta, desc_dq, DK, DV, Sem,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
                   sm_scale, qk_scale, cap_scale, cap_log2,
@@ -195,14 +215,27 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     SPLIT_D: gl.constexpr = DETERMINISTIC and CONSUMERS == 2
     DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
+    # The fixed order stages its dQ columns in chunks of DQ_CHUNK (see the smem note in
+    # the kernel); the free order stages the whole tile at once.
+    DQ_CHUNK: gl.constexpr = 32 if DETERMINISTIC else D
+    DQ_COL0: gl.constexpr = cid * DQ_COLS if SPLIT_D else 0  # this consumer's first column
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+                                                        instr_shape=[16, DQ_CHUNK, 16])
+    # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
+    # LSE and Δ wait in a layout of one value per thread until the line that reads them,
+    # and dK and dV complete before dQ's product is issued. With all three accumulators,
+    # both register operands and 32 registers of LSE and Δ live at once, ptxas runs out
+    # of registers there and serializes every wgmma of the loop; at D=64 with 64-row
+    # tiles nothing spills, and the overlap is worth more (benchmarks/experiments/
+    # hopper_bwd_ab.py).
+    LEAN: gl.constexpr = D * BLOCK_M > 64 * 64
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dk = gl.zeros([64, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, D], gl.float32, layout=acc_layout)
     k = k_smem.index(cid)
     v = v_smem.index(cid)
     ds_buf = ds_smem.index(cid)
-    dq_cols = gl.arange(0, D, layout=col_a)
+    dq_buf = dq_smem.index(cid)
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
     mbarrier.wait(kv_ready, 0)
@@ -213,9 +246,16 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
             buf = cnt % STAGES
             phase = (cnt // STAGES) & 1
-            cols = start + gl.arange(0, BLOCK_M, layout=col_s)
-            lse2 = gl.load(LSE + bh * seq_q + cols, mask=cols < seq_q, other=float("inf")) * LOG2E
-            delta = gl.load(Delta + bh * seq_q + cols, mask=cols < seq_q, other=0.0)
+            if LEAN:
+                rows_v = start + gl.arange(0, BLOCK_M, layout=vec_layout)
+                lse_v = gl.load(LSE + bh * seq_q + rows_v, mask=rows_v < seq_q,
+                                other=float("inf"))
+                delta_v = gl.load(Delta + bh * seq_q + rows_v, mask=rows_v < seq_q, other=0.0)
+            else:
+                cols_v = start + gl.arange(0, BLOCK_M, layout=col_s)
+                lse2 = gl.load(LSE + bh * seq_q + cols_v, mask=cols_v < seq_q,
+                               other=float("inf")) * LOG2E
+                delta = gl.load(Delta + bh * seq_q + cols_v, mask=cols_v < seq_q, other=0.0)
             q = q_smem.index(buf)
             do = do_smem.index(buf)
             mbarrier.wait(q_full.index(buf), phase)
@@ -223,6 +263,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             mbarrier.wait(do_full.index(buf), phase)
             dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            if LEAN:
+                lse2 = gl.convert_layout(lse_v * LOG2E, col_s)
             if SOFTCAP:
                 t = _tanh(s_t * cap_scale)
                 p_t = gl.exp2(t * cap_log2 - lse2[None, :])
@@ -231,6 +273,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             if (start < full_lo) | (start >= full_hi):
                 # Key j (row) is seen by query i (column) iff
                 # i + offset - left <= j <= i + offset + right.
+                cols = start + gl.arange(0, BLOCK_M, layout=col_s)
                 vis = (cols[None, :] < seq_q) & (keys[:, None] < seq_k)
                 if MASK_LEFT:
                     vis = vis & (keys[:, None] >= cols[None, :] + offset - left)
@@ -238,6 +281,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                     vis = vis & (keys[:, None] <= cols[None, :] + offset + right)
                 p_t = gl.where(vis, p_t, 0.0)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            if LEAN:
+                delta = gl.convert_layout(delta_v, col_s)
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - t * t)  # d/dx tanh = 1 - tanh^2
@@ -258,37 +303,60 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             if SPLIT_D:
                 mbarrier.arrive(ds_ready, count=1)
                 mbarrier.wait(ds_ready, cnt & 1)
-                dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-                for j in gl.static_range(CONSUMERS):
-                    dq = warpgroup_mma(ds_smem.index(j).permute((1, 0)),
-                                       k_smem.index(j).slice(cid * DQ_COLS, DQ_COLS, dim=1),
-                                       dq, is_async=True)
-            else:
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
-                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-            dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-            if SPLIT_D:
-                mbarrier.arrive(ds_free, count=1)
-            mbarrier.arrive(q_empty.index(buf), count=1)
-            mbarrier.arrive(do_empty.index(buf), count=1)
+            if LEAN:  # dK and dV complete first (see LEAN); Q and dO are then free
+                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+                mbarrier.arrive(q_empty.index(buf), count=1)
+                mbarrier.arrive(do_empty.index(buf), count=1)
             if DETERMINISTIC:
-                rows = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                cols = cid * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-                dq_ptrs = DQ + (bh * seq_q + rows.to(gl.int64))[:, None] * D + cols[None, :]
-                dq_mask = (rows < seq_q)[:, None]
+                # This consumer's DQ_COLS columns go out in chunks of DQ_CHUNK, each
+                # through one staging buffer and one TMA reduce-add, all within this key
+                # tile's turn on the query tile: chunk c + 1's product runs while chunk c
+                # is staged. The turn's wait overlaps the first chunk's product.
+                dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
+                               CONSUMERS, SPLIT_D, dq_layout)
+                if not LEAN:
+                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                    mbarrier.arrive(q_empty.index(buf), count=1)
+                    mbarrier.arrive(do_empty.index(buf), count=1)
                 sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
                                      left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
                                      MASK_RIGHT)
                 while gl.atomic_add(sem, 0, sem="acquire") != turn:
                     pass
-                gl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
-                gl.thread_barrier()  # every thread's adds are issued before the release
+                for c in gl.static_range(DQ_COLS // DQ_CHUNK):
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                    if c + 1 == DQ_COLS // DQ_CHUNK:
+                        if SPLIT_D:
+                            mbarrier.arrive(ds_free, count=1)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    dq_buf.store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    if c + 1 < DQ_COLS // DQ_CHUNK:
+                        dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
+                                       DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
+                    _tma_reduce_add(desc_dq, [b, hk * GQA + g, start,
+                                              DQ_COL0 + c * DQ_CHUNK],
+                                    dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, DQ_CHUNK],
+                                                        desc_dq.layout))
+                # The reduction has read its source before the next key tile's turn
+                # (as FA3 orders its bulk reduce-adds).
+                tma.store_wait(0)
+                gl.thread_barrier()
                 gl.atomic_xchg(sem, turn + 1, sem="release")
             else:
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                if LEAN:
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                else:
+                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                    mbarrier.arrive(q_empty.index(buf), count=1)
+                    mbarrier.arrive(do_empty.index(buf), count=1)
                 # Through shared memory as one bulk reduction; the previous one must have
                 # finished reading the buffer first.
-                dq_buf = dq_smem.index(cid)
                 tma.store_wait(0)
                 gl.thread_barrier()
                 dq_buf.store(dq)
@@ -301,6 +369,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     tma.store_wait(0)
 
     rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
+    dq_cols = gl.arange(0, D, layout=col_a)
     ok = (rows_k < seq_k)[:, None]
     rows64 = rows_k.to(gl.int64)[:, None]
     b64 = b.to(gl.int64)
@@ -313,7 +382,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(
-    desc_q, desc_do, desc_k, desc_v, LSE, Delta, desc_dq, DQ, DK, DV, Sem,
+    desc_q, desc_do, desc_k, desc_v, LSE, Delta, desc_dq, DK, DV, Sem,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     heads_kv, seq_q, seq_k, left, right, n_m,
     sm_scale, qk_scale, cap_scale, cap_log2,
@@ -333,11 +402,12 @@ def _attn_bwd_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, BLOCK_M], ds_layout)
+    # Each consumer's fp32 dQ staging buffer for the TMA reduce-add: the whole tile in the
+    # free order, a DQ_CHUNK-column chunk in the fixed one (desc_dq's box), which keeps the
+    # largest fixed-order configs (D=128, four stages) within shared memory.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
-    if DETERMINISTIC:  # ordered atomics straight from registers
-        dq_smem = ds_smem
-    else:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, D], dq_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M,
+                                                     desc_dq.block_type.shape[3]], dq_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_ready, count=CONSUMERS)
@@ -362,7 +432,7 @@ def _attn_bwd_hopper_kernel(
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DQ, DK, DV, Sem,
+                             desc_dq, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
@@ -370,7 +440,7 @@ def _attn_bwd_hopper_kernel(
                              DETERMINISTIC)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DQ, DK, DV, Sem,
+                             desc_dq, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
@@ -385,7 +455,7 @@ def _attn_bwd_hopper_kernel(
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DQ, DK, DV, Sem,
+                             desc_dq, DK, DV, Sem,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
@@ -435,8 +505,9 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     consumers = n // ROWS_PER_WG
     sem = (torch.zeros((b * hq, n_m, consumers), device=q.device, dtype=torch.int32)
            if deterministic else dq_acc)
+    # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
     descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
-             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m))
+             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, 32 if deterministic else d))
 
     def launch() -> None:
         _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
@@ -445,7 +516,7 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         if deterministic:
             sem.zero_()
         _attn_bwd_hopper_kernel[(n_n, b * hk)](
-            *descs[:4], lse, delta, descs[4], dq_acc, dk, dv, sem,
+            *descs[:4], lse, delta, descs[4], dk, dv, sem,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
