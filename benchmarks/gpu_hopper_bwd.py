@@ -75,17 +75,25 @@ CONFIGS = {
 }
 
 
+def case_inputs(case: tuple) -> tuple:
+    """Fresh bf16 (q, k, v, do) for one of CASES, the portable forward's O and LSE on them,
+    and the softmax scale."""
+    b, hq, hk, sq, sk, d, causal, window, softcap = case
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(d)
+    o, lse = forward(q, k, v, causal, window, softcap, scale)
+    return q, k, v, do, o, lse, scale
+
+
 def check(out: dict, quick: bool) -> None:
     torch.manual_seed(0)
     rows = []
     for case in CASES[:4] if quick else CASES:
-        b, hq, hk, sq, sk, d, causal, window, softcap = case
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-        do = torch.randn_like(q)
-        scale = 1.0 / math.sqrt(d)
-        o, lse = forward(q, k, v, causal, window, softcap, scale)
+        _, _, _, _, _, d, causal, window, softcap = case
+        q, k, v, do, o, lse, scale = case_inputs(case)
         for cfg in CONFIGS[d]:
             for det in (False, True):
                 g = hopper_bwd(do, q, k, v, o, lse, cfg, causal, window, softcap, scale, det)

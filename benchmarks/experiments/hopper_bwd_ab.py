@@ -34,14 +34,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_hopper_bwd import CASES, forward, problem_of  # noqa: E402
+from gpu_hopper_bwd import CASES, case_inputs, forward, problem_of  # noqa: E402
+from hopper_fwd_consumers import shipped_config  # noqa: E402
 
 import flashtune.kernels as kpkg  # noqa: E402
 from flashtune.kernels import attn_bwd_hopper as head_mod  # noqa: E402
 from flashtune.kernels.attn_bwd import bwd_steps  # noqa: E402
-from flashtune.kernels.config import BWD_HOPPER, BwdConfig, config_from_dict, default_bwd  # noqa: E402
+from flashtune.kernels.config import BWD_HOPPER, BwdConfig, default_bwd  # noqa: E402
 from flashtune.kernels.reference import reference_errors, within_rule  # noqa: E402
-from flashtune.problem import Problem, ProblemKey, effective_window  # noqa: E402
+from flashtune.problem import effective_window  # noqa: E402
 from flashtune.timing import time_interleaved  # noqa: E402
 
 KEY = "flashtune.kernels.attn_bwd_hopper"
@@ -93,13 +94,8 @@ def check(mod: Any, rows: list) -> bool:
     torch.manual_seed(1)
     all_ok = True
     for case in CASES:
-        b, hq, hk, sq, sk, d, causal, window, softcap = case
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-        do = torch.randn_like(q)
-        scale = 1.0 / math.sqrt(d)
-        o, lse = forward(q, k, v, causal, window, softcap, scale)
+        _, _, _, _, _, d, causal, window, softcap = case
+        q, k, v, do, o, lse, scale = case_inputs(case)
         for m, n, s in CHECK_CFGS[d]:
             for det in (False, True):
                 cfg = hopper_cfg(m, n, s)
@@ -125,19 +121,6 @@ def check(mod: Any, rows: list) -> bool:
     return all_ok
 
 
-def shipped_bwd(p: Problem) -> BwdConfig | None:
-    path = os.path.join(os.path.dirname(kpkg.__file__), "..", "data", "shipped.json")
-    with open(path) as f:
-        entries = json.load(f)["entries"]
-    want = p.key("bwd")
-    name = torch.cuda.get_device_name()
-    for e in entries:
-        if e["direction"] == "bwd" and e["device"]["name"] == name \
-                and ProblemKey.from_dict({**e["problem"], "direction": "bwd"}) == want:
-            return config_from_dict("bwd", e["config"])  # type: ignore[return-value]
-    return None
-
-
 SHAPES = [(b, 2048 // d, s, d, c) for d in (64, 128) for c in (False, True)
           for s, b in ((1024, 16), (4096, 4), (16384, 1))]
 
@@ -156,7 +139,7 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     o, lse = forward(qd, kd, vd, causal, (-1, -1), 0.0, scale)
     p = problem_of(qd, kd, causal, (-1, -1), 0.0)
-    ship = shipped_bwd(p)
+    ship = shipped_config(p, torch.cuda.get_device_name(), "bwd")
     cfgs = {"shipped": ship} if ship is not None else {}
     cfgs["portable_default"] = default_bwd(p)
     for name, cfg in cfgs.items():

@@ -32,7 +32,7 @@ from bench_attention import _label, environment  # noqa: E402
 from fwd_default_scan import time_configs  # noqa: E402
 
 from flashtune.kernels import config as kconfig  # noqa: E402
-from flashtune.kernels.config import HOPPER, FwdConfig, config_from_dict  # noqa: E402
+from flashtune.kernels.config import HOPPER, BwdConfig, FwdConfig, config_from_dict  # noqa: E402
 from flashtune.problem import Problem, ProblemKey  # noqa: E402
 from flashtune.timing import standard_matrix  # noqa: E402
 
@@ -50,15 +50,17 @@ CANDIDATES = {
 }
 
 
-def shipped_config(p: Problem, device_name: str) -> FwdConfig | None:
+def shipped_config(p: Problem, device_name: str, direction: str = "fwd",
+                   ) -> FwdConfig | BwdConfig | None:
+    """The committed shipped layer's config for ``p``'s key on this device, if any."""
     path = os.path.join(os.path.dirname(kconfig.__file__), "..", "data", "shipped.json")
     with open(path) as f:
         entries = json.load(f)["entries"]
-    want = p.key("fwd")
+    want = p.key(direction)
     for e in entries:
-        if e["direction"] == "fwd" and e["device"]["name"] == device_name \
-                and ProblemKey.from_dict({**e["problem"], "direction": "fwd"}) == want:
-            return config_from_dict("fwd", e["config"])  # type: ignore[return-value]
+        if e["direction"] == direction and e["device"]["name"] == device_name \
+                and ProblemKey.from_dict({**e["problem"], "direction": direction}) == want:
+            return config_from_dict(direction, e["config"])
     return None
 
 
