@@ -3,7 +3,7 @@
 One program holds a K/V tile of ``BLOCK_N = 64 * CONSUMERS`` keys of one KV head and walks
 every query tile that can see it (for GQA, of every query head of the group, in order):
 
-- a **producer** partition (the default one) loads the K/V tile once and streams Q and dO
+- a **producer** partition loads the K/V tile once and streams Q and dO
   tiles of ``BLOCK_M`` rows through a ring of ``STAGES`` shared-memory buffers with TMA,
   each guarded by a full/empty mbarrier pair;
 - **consumer** warpgroups, one per 64 keys, work in the transposed orientation (rows are
@@ -19,10 +19,12 @@ every query tile that can see it (for GQA, of every query head of the group, in 
 **Order of the dQ sums.** Without ``DETERMINISTIC`` each consumer stages its keys' share
 of the dQ tile in shared memory and adds it with one TMA reduce-add: fast, but the fp32
 sum order varies from run to run. With it, the two consumers split dQ's columns instead
-(each multiplies the whole dS tile by its half of K), and each (query tile, column half)
-has a semaphore: the key tiles add their contributions from registers in a fixed order,
-each waiting until the count equals its rank (see ``_dq_turn``). dK and dV never race: one
-program owns each key tile, and GQA heads are summed in order.
+(each multiplies the whole dS tile by its half of K) and hand their columns, in 32-column
+chunks, through a ring of staging buffers to a one-warp **dQ writer**. Each (query tile,
+column half) has a semaphore: the writer adds a key tile's chunks with TMA reduce-adds
+only when the count equals that key tile's rank (see ``_dq_turn``), then passes the turn
+on. The consumers never wait for a turn, only for a free staging buffer. dK and dV never
+race: one program owns each key tile, and GQA heads are summed in order.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
 rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. Rows past a
@@ -52,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
-from flashtune.kernels.config import BwdConfig
+from flashtune.kernels.config import DEFAULT_SMEM_BYTES, BwdConfig, smem_bwd_hopper
 
 
 @builtin
@@ -181,16 +183,64 @@ def _dq_chunk(ds_smem, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
 
 
 @gluon.jit
+def _bwd_dq_writer(desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k, offset,
+                   left, right, n_m, GQA: gl.constexpr, CONSUMERS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, D: gl.constexpr, ORDER: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_RING: gl.constexpr):
+    """The fixed order's dQ adds, in one warp: for each query tile the program visits (in
+    the consumers' order), and each consumer's columns, wait for this key tile's turn,
+    add the staged chunks with TMA reduce-adds, and pass the turn on once the reductions
+    have read their sources (as FA3 orders its bulk reduce-adds). The consumers only wait
+    for a free staging buffer, so a turn's wait overlaps their next tiles' work."""
+    BLOCK_N: gl.constexpr = 64 * CONSUMERS
+    DQ_CHUNK: gl.constexpr = desc_dq.block_type.shape[3]
+    DQ_COLS: gl.constexpr = D // CONSUMERS
+    CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
+    pid_n = _key_tile(ORDER)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    heads_q = heads_kv * GQA
+    lo, full_lo, full_hi, hi = _kv_range(pid_n * BLOCK_N, seq_q, -offset, right, left, BLOCK_N,
+                                         BLOCK_M, MASK_RIGHT, MASK_LEFT)
+    cnt = 0
+    for g in range(GQA):
+        h = hk * GQA + g
+        bh = (b * heads_q + h).to(gl.int64)
+        for it in range((hi - lo) // BLOCK_M):
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            for cid in gl.static_range(CONSUMERS):
+                sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
+                                     left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
+                                     MASK_RIGHT)
+                while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                    pass
+                for c in gl.static_range(CHUNKS):
+                    slot = (cnt * CHUNKS + c) % DQ_RING
+                    mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
+                                  ((cnt * CHUNKS + c) // DQ_RING) & 1)
+                    _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
+                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                        gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
+                tma.store_wait(0)
+                for c in gl.static_range(CHUNKS):
+                    mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
+                                    count=1)
+                gl.atomic_xchg(sem, turn + 1, sem="release")
+            cnt += 1
+
+
+@gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
-                  LSE, Delta, desc_dq, DK, DV, Sem,
+                  dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
                   sm_scale, qk_scale, cap_scale, cap_log2,
                   GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -215,10 +265,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     SPLIT_D: gl.constexpr = DETERMINISTIC and CONSUMERS == 2
     DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
-    # The fixed order stages its dQ columns in chunks of DQ_CHUNK (see the smem note in
-    # the kernel); the free order stages the whole tile at once.
+    # The fixed order hands its dQ columns to the writer in chunks of DQ_CHUNK (see the
+    # staging buffers in the kernel); the free order stages the whole tile at once.
     DQ_CHUNK: gl.constexpr = 32 if DETERMINISTIC else D
-    DQ_COL0: gl.constexpr = cid * DQ_COLS if SPLIT_D else 0  # this consumer's first column
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_CHUNK, 16])
     # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
@@ -235,7 +284,6 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     k = k_smem.index(cid)
     v = v_smem.index(cid)
     ds_buf = ds_smem.index(cid)
-    dq_buf = dq_smem.index(cid)
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
     mbarrier.wait(kv_ready, 0)
@@ -308,43 +356,30 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 mbarrier.arrive(do_empty.index(buf), count=1)
             if DETERMINISTIC:
-                # This consumer's DQ_COLS columns go out in chunks of DQ_CHUNK, each
-                # through one staging buffer and one TMA reduce-add, all within this key
-                # tile's turn on the query tile: chunk c + 1's product runs while chunk c
-                # is staged. The turn's wait overlaps the first chunk's product.
+                # This consumer's DQ_COLS columns go to the dQ writer in chunks of
+                # DQ_CHUNK through its ring of staging buffers; the writer takes the
+                # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
                 dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
                                CONSUMERS, SPLIT_D, dq_layout)
                 if not LEAN:
                     dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
                     mbarrier.arrive(q_empty.index(buf), count=1)
                     mbarrier.arrive(do_empty.index(buf), count=1)
-                sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
-                                     left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
-                                     MASK_RIGHT)
-                while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                    pass
                 for c in gl.static_range(DQ_COLS // DQ_CHUNK):
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                     if c + 1 == DQ_COLS // DQ_CHUNK:
                         if SPLIT_D:
                             mbarrier.arrive(ds_free, count=1)
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    dq_buf.store(dq)
+                    slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
+                    lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
+                    mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
+                    dq_smem.index(cid * DQ_RING + slot).store(dq)
                     fence_async_shared()
                     gl.thread_barrier()
                     if c + 1 < DQ_COLS // DQ_CHUNK:
                         dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
                                        DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
-                    _tma_reduce_add(desc_dq, [b, hk * GQA + g, start,
-                                              DQ_COL0 + c * DQ_CHUNK],
-                                    dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, DQ_CHUNK],
-                                                        desc_dq.layout))
-                # The reduction has read its source before the next key tile's turn
-                # (as FA3 orders its bulk reduce-adds).
-                tma.store_wait(0)
-                gl.thread_barrier()
-                gl.atomic_xchg(sem, turn + 1, sem="release")
+                    mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
             else:
                 dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
                                    gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
@@ -357,6 +392,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                     mbarrier.arrive(do_empty.index(buf), count=1)
                 # Through shared memory as one bulk reduction; the previous one must have
                 # finished reading the buffer first.
+                dq_buf = dq_smem.index(cid)
                 tma.store_wait(0)
                 gl.thread_barrier()
                 dq_buf.store(dq)
@@ -388,7 +424,7 @@ def _attn_bwd_hopper_kernel(
     sm_scale, qk_scale, cap_scale, cap_log2,
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -402,12 +438,19 @@ def _attn_bwd_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, BLOCK_M], ds_layout)
-    # Each consumer's fp32 dQ staging buffer for the TMA reduce-add: the whole tile in the
-    # free order, a DQ_CHUNK-column chunk in the fixed one (desc_dq's box), which keeps the
-    # largest fixed-order configs (D=128, four stages) within shared memory.
+    # The fp32 dQ staging buffers for the TMA reduce-adds. The free order: each consumer's
+    # whole tile. The fixed order: a ring of DQ_RING chunks of DQ_CHUNK columns (desc_dq's
+    # box) per consumer, as deep as shared memory allows (the host's _dq_ring), between
+    # the consumers and the dQ writer.
+    DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M,
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M,
                                                      desc_dq.block_type.shape[3]], dq_layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_ready, count=CONSUMERS)
@@ -424,28 +467,79 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(q_empty.index(i), count=CONSUMERS)
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
 
-    if CONSUMERS == 2:
+    # Partitions. The free order: the producer in the kernel's own four warps, a warpgroup
+    # per consumer. The fixed order adds a one-warp dQ writer; so that the consumers keep
+    # their registers (the producer already runs at Triton's floor of 24), consumer 0 runs
+    # in the kernel's warps and the producer and the writer share one padded warpgroup at
+    # 24 registers each. Written out per case: Triton 3.6 traces the partition lists as
+    # literals.
+    if DETERMINISTIC:
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                                 q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                                 dq_empty, LSE, Delta, desc_dq, DK, DV,
+                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                 stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 DETERMINISTIC, DQ_RING)),
+                (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                                 q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                                 dq_empty, LSE, Delta, desc_dq, DK, DV,
+                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                 stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 DETERMINISTIC, DQ_RING)),
+                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                                 kv_ready, q_full, q_empty, do_full, do_empty,
+                                 heads_kv, seq_q, offset, left, right, n_m,
+                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                (_bwd_dq_writer, (desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
+                                  offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D, ORDER,
+                                  MASK_LEFT, MASK_RIGHT, DQ_RING)),
+            ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+        else:
+            gl.warp_specialize([
+                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                                 q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                                 dq_empty, LSE, Delta, desc_dq, DK, DV,
+                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                 stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 DETERMINISTIC, DQ_RING)),
+                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                                 kv_ready, q_full, q_empty, do_full, do_empty,
+                                 heads_kv, seq_q, offset, left, right, n_m,
+                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                (_bwd_dq_writer, (desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
+                                  offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D, ORDER,
+                                  MASK_LEFT, MASK_RIGHT, DQ_RING)),
+            ], [1, 1], [24, 24])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
                              kv_ready, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DK, DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                             dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC)),
+                             DETERMINISTIC, DQ_RING)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DK, DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                             dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC)),
+                             DETERMINISTIC, DQ_RING)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -454,17 +548,32 @@ def _attn_bwd_hopper_kernel(
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, LSE, Delta,
-                             desc_dq, DK, DV, Sem,
+                             q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+                             dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC)),
+                             DETERMINISTIC, DQ_RING)),
         ], [4], [CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
+
+DQ_CHUNK = 32  # the fixed order's dQ columns per staging buffer (128 bytes of fp32: a swizzle row)
+
+
+def _dq_ring(c: BwdConfig, d: int, deterministic: bool) -> int:
+    """Staging buffers per consumer between the consumers and the fixed order's dQ writer:
+    enough for two query tiles' chunks where shared memory has room beside the rest of
+    ``c``'s buffers, and never fewer than one (what the feasibility formula counts on)."""
+    if not deterministic:
+        return 1
+    consumers = c.hopper_block_n // ROWS_PER_WG
+    chunks = d // consumers // DQ_CHUNK
+    entry = consumers * c.hopper_block_m * DQ_CHUNK * 4
+    room = (DEFAULT_SMEM_BYTES - smem_bwd_hopper(c, d, True)) // entry
+    return max(1, min(2 * chunks, room))
 
 
 def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -507,7 +616,8 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
            if deterministic else dq_acc)
     # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
     descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
-             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, 32 if deterministic else d))
+             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, DQ_CHUNK if deterministic else d))
+    ring = _dq_ring(c, d, deterministic)
 
     def launch() -> None:
         _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
@@ -521,7 +631,8 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
             ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
-            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, num_warps=4,
+            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, DQ_RING=ring,
+            num_warps=4,
         )
         # dS carried the softmax scale: the cast scales by 1.
         _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](
