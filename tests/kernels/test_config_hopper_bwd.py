@@ -60,10 +60,40 @@ def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_
 
 
 def test_deterministic_runs_need_no_dq_staging(on_hopper: None) -> None:
-    """With the fixed dQ order the adds come from registers: four stages then fit."""
+    """The fixed dQ order stages 32-column chunks instead of whole fp32 dQ tiles, which the
+    feasibility formula leaves to the launcher's ring (next test): four stages then fit."""
     four = dataclasses.replace(HOP, hopper_stages=4)
     assert smem_bwd_hopper(four, 128, True) < smem_bwd_hopper(four, 128, False)
     check_bwd(four, dataclasses.replace(P, deterministic=True))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fixed_order_dq_ring_fits_beside_every_feasible_config(on_hopper: None,
+                                                                head_dim: int) -> None:
+    """The fixed order's staging ring (one chunk per consumer at least, two query tiles'
+    chunks at most) fits in shared memory beside the rest of every feasible config; the
+    free order has no ring."""
+    from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _dq_ring
+    from flashtune.kernels.config import DEFAULT_SMEM_BYTES, is_feasible
+
+    p = dataclasses.replace(P, head_dim=head_dim, deterministic=True)
+    depths = set()
+    for m in (64, 128):
+        for n in (64, 128):
+            for stages in (1, 2, 3, 4):
+                c = dataclasses.replace(HOP, hopper_block_m=m, hopper_block_n=n,
+                                        hopper_stages=stages)
+                if not is_feasible(c, p)[0]:
+                    continue
+                consumers = n // 64
+                ring = _dq_ring(c, head_dim, True)
+                chunks = head_dim // consumers // DQ_CHUNK
+                assert 1 <= ring <= 2 * chunks, (c, ring)
+                staged = consumers * ring * m * DQ_CHUNK * 4
+                assert smem_bwd_hopper(c, head_dim, True) + staged <= DEFAULT_SMEM_BYTES, c
+                assert _dq_ring(c, head_dim, False) == 1
+                depths.add(ring)
+    assert min(depths) == 1 and len(depths) > 1  # four stages leave room for one chunk only
 
 
 def test_portable_config_rejects_hopper_knobs() -> None:
