@@ -24,7 +24,7 @@ from flashtune.kernels.config import (
     is_feasible,
     variant_unavailable,
 )
-from flashtune.kernels.reference import reference_errors, within_rule
+from flashtune.kernels.reference import Reference, reference_errors, within_rule
 from flashtune.problem import Problem
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,6 +47,28 @@ def make_qkv(p: Problem, device: str, layout: str = "bhsd", gen: torch.Generator
 
     return (one(p.heads_q, p.seqlen_q), one(p.heads_kv, p.seqlen_k),
             one(p.heads_kv, p.seqlen_k), one(p.heads_q, p.seqlen_q))
+
+
+def rounding_floored(ref: Reference, dtype: torch.dtype) -> dict[str, float]:
+    """``ref.torch_errors`` with each low-precision tensor's error raised to at least half
+    an ulp of ``dtype`` at that tensor's largest reference magnitude.
+
+    Any result stored in ``dtype`` may be off by that much from rounding alone. On a large
+    tensor PyTorch's own maximum error always reaches it; on a tiny one (a few dozen rows)
+    it can fall short by luck, and the 2x rule would then fail a kernel whose only error is
+    one correctly rounded value on the other side of a midpoint. The LSE is fp32 and keeps
+    its error."""
+    eps = torch.finfo(dtype).eps  # one ulp at magnitude 1
+    tensors = {"out": ref.out}
+    if ref.grads is not None:
+        tensors.update(zip(("dq", "dk", "dv"), ref.grads, strict=True))
+    out = dict(ref.torch_errors)
+    for name, t in tensors.items():
+        finite = t[torch.isfinite(t)]
+        top = finite.abs().max().item() if finite.numel() else 0.0
+        if top > 0:
+            out[name] = max(out[name], 0.5 * eps * 2.0 ** math.floor(math.log2(top)))
+    return out
 
 
 def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64,

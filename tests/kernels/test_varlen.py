@@ -21,11 +21,11 @@ from flashtune.kernels.config import (
     default_bwd,
     default_fwd,
 )
-from flashtune.kernels.reference import varlen_reference_errors, within_rule
+from flashtune.kernels.reference import reference, within_rule
 from flashtune.kernels.varlen import flash_attn_varlen_func
 from flashtune.problem import Problem, default_scale
 
-from .helpers import DTYPES, random_config
+from .helpers import DTYPES, random_config, rounding_floored
 
 
 def random_lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
@@ -68,10 +68,11 @@ def check_varlen(lens_q: list[int], lens_k: list[int], hq: int, hk: int, d: int,
     assert o.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == torch.float32
     grads = attn_bwd(do, q, k, v, o, lse, config=bwd or default_bwd(p),
                      deterministic=deterministic, **kw)
-    errs, terrs = varlen_reference_errors(q, k, v, packed.cu_q, packed.cu_k, do, o, lse, grads,
-                                          causal=causal, softmax_scale=None, window_size=window,
-                                          softcap=softcap)
-    ok, _, detail = within_rule(errs, terrs)
+    ref = reference(q, k, v, do, causal=causal, softmax_scale=None, window_size=window,
+                    softcap=softcap, cu_seqlens_q=packed.cu_q, cu_seqlens_k=packed.cu_k)
+    errs = ref.errors(o, lse, grads)
+    # These batches are tiny: PyTorch's own error is floored at the output's rounding.
+    ok, _, detail = within_rule(errs, rounding_floored(ref, DTYPES[dtype]))
     assert ok, f"seed={seed} lens_q={lens_q} lens_k={lens_k}: {detail} (all: {errs})"
     return (o, lse, *grads)
 
@@ -169,9 +170,8 @@ def test_flash_attn_varlen_func_autograd_matches_reference(device: str, seed: in
     out, lse = flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k),
                                       return_lse=True, deterministic=True, **kw)
     grads = torch.autograd.grad(out, (qg, kg, vg), do)
-    errs, terrs = varlen_reference_errors(q, k, v, cu_q, cu_k, do, out, lse, grads,
-                                          softmax_scale=None, **kw)
-    ok, _, detail = within_rule(errs, terrs)
+    ref = reference(q, k, v, do, softmax_scale=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+    ok, _, detail = within_rule(ref.errors(out, lse, grads), rounding_floored(ref, q.dtype))
     assert ok, detail
 
 
