@@ -16,6 +16,11 @@ the winner moved the dQ kernel to 2 stages (14 of 15) and 64 keys per step (13 o
 ran both kernels as one launch (12 of 15), and grew the dK/dV tile's query rows at
 head dim 128 (9 of 11) or shrank its key rows and the dQ tile's query rows at head dim 64
 (4 of 4).
+
+A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
+in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
+128-row query tiles ran 1.22-1.40x its default 64-row ones and, at 16k keys, 1.13x the
+shipped portable backward; the variant seeds only carry the default's tiles there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flashtune.kernels.config import (
+    BWD_HOPPER,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     BwdConfig,
@@ -63,6 +69,12 @@ def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"dkdv_block_n": _shrink(c["dkdv_block_n"]), "dq_block_m": _shrink(c["dq_block_m"])}
 
 
+def _hopper_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The Hopper backward: 128 query rows per step at head dim 64 (at 128 a consumer has
+    no registers for them)."""
+    return {"hopper_block_m": 128} if p.head_dim <= 64 else {}
+
+
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
 BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
@@ -71,6 +83,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_TWO_KERNEL, (_dq_wide, _tiles)),
         (BWD_ONE_LAUNCH, (_dq_wide,)),
         (BWD_TWO_KERNEL, (_dq_wide,)),
+        (BWD_HOPPER, (_hopper_rows,)),
     ],
 }
 

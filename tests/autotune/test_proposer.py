@@ -472,6 +472,30 @@ def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
     assert prior_points("fwd", p, "9.0") == []
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_dim_64(
+        deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Hopper backward can run, its prior point is its default with 128-row query
+    tiles at head dim 64 (the variant seeds carry only the default's 64), last in the list;
+    at head dim 128 such tiles cannot run, and no Hopper point is added."""
+    from flashtune.autotune.priors import prior_points
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    for head_dim in (64, 128):
+        p = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=4096, seqlen_k=4096,
+                    head_dim=head_dim, deterministic=deterministic)
+        points = prior_points("bwd", p, "9.0")
+        hopper = [pt for pt in points if pt["variant"] == config.BWD_HOPPER]
+        if head_dim > 64:
+            assert hopper == []
+            continue
+        assert hopper == [points[-1]]
+        base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
+        assert hopper[0] == {**base, "hopper_block_m": 128}
+        assert config.is_feasible(config.BwdConfig(**hopper[0]), p)[0]
+        assert BWD.project(hopper[0]) == hopper[0]
+
+
 def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants() -> None:
     from dataclasses import replace
 
