@@ -281,6 +281,10 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
         # op: the gap between these and the layers above is the autograd engine's.
         "autograd.grad of Attention.apply (fwd+bwd)": lambda: torch.autograd.grad(
             _autograd.Attention.apply(plan, qg, kg, vg)[0], (qg, kg, vg), do),
+        "autograd.grad of flash_attention (fwd+bwd, the eager wiring)": lambda: (
+            torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)),
+        "flash_attention forward with grad (the eager wiring)": lambda: flash_attention(
+            qg, kg, vg, causal=causal),
         "autograd.grad of SDPA (fwd+bwd)": lambda: torch.autograd.grad(
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), do),
         "autograd.grad of an elementwise op (engine floor)": lambda: torch.autograd.grad(
@@ -301,7 +305,7 @@ def breakdown(causal: bool, n: int) -> dict[str, float]:
     out = {}
     with torch.no_grad():
         for name, fn in parts.items():
-            if name.startswith(("Attention", "autograd")):
+            if name.startswith(("Attention", "autograd", "flash_attention forward with grad")):
                 _TimedAttention.inner.clear()
                 with torch.enable_grad():
                     out[name] = _per_call(fn, n)
@@ -386,9 +390,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_overhead needs a CUDA GPU (host overhead is a GPU-host measure)")
     db = _setup_db()
+    from flashtune.kernels import _native
+
+    t0 = time.perf_counter()
+    _native.module(wait=True)  # the C++ backward node, unless FLASHTUNE_NATIVE=0
+    native = {**_native.status(), "load_s": round(time.perf_counter() - t0, 2)}
+    native.pop("library")  # a path of this host
+    print(f"C++ backward node: {native}")
     out: dict[str, Any] = {**_versions(), "shape": {"B": 1, "H": 1, "S": 128, "D": 64,
                                                     "dtype": "bf16"},
-                           "n": args.n, "n_busy": args.n_busy, "database": db}
+                           "n": args.n, "n_busy": args.n_busy, "database": db,
+                           "native": native}
     print(f"{out['device']}, torch {out['torch']}, triton {out['triton']}, "
           f"commit {out['commit']}, {out['date']}")
     out["served"] = served()

@@ -167,10 +167,11 @@ def device_info(device: Any = None) -> DeviceInfo:
 
 
 HOST_ONLY_MODULES = frozenset({"__init__.py", "_autograd.py", "_plans.py", "_bound.py",
-                               "attention.py", "varlen.py"})
+                               "_native.py", "attention.py", "varlen.py"})
 """The kernel package's modules that hold no kernel and decide nothing of a launch: the
 public entry points and their validation (``attention.py``, ``varlen.py``), the autograd
-and custom-op wiring, the per-signature plans and the binding of compiled kernels. What a
+and custom-op wiring, the per-signature plans, the binding of compiled kernels and the C++
+backward node that replays bound launches as they were prepared (``_native.py``). What a
 config compiles to (the jit sources, their constexprs and launch options) and how it is
 launched (grids, scalars, buffers) are decided in the other modules, so a change here
 cannot change a tuned result's code or its launch (only the host time around it), and

@@ -1,17 +1,18 @@
 """The one autograd wiring of every attention entry point, dense and packed: what the
 forward saves, and how the backward turns it into dq, dk and dv.
 
-Two ways in share it:
+Every way in saves the forward's tensor inputs (q, k, v, then a packed batch's prefix
+sums), O and the LSE, and runs :meth:`Plan.backward <flashtune.kernels._plans.Plan.backward>`
+(or the backward op) on them:
 
-- eager calls go through :class:`Attention`, a ``torch.autograd.Function`` over a
-  :class:`~flashtune.kernels._plans.Plan`: the plan's prepared launches run directly,
-  with no custom-op dispatch in between;
+- eager calls go through :func:`apply`: the plan's prepared launches run directly, with no
+  custom-op dispatch in between, and the backward node is the C++ one of
+  :mod:`flashtune.kernels._native` where it is built (it runs the plan's bound backward
+  without Python, and calls ``Plan.backward`` for anything else), else :class:`Attention`,
+  a ``torch.autograd.Function``;
 - torch.compile sees the ``torch.library`` custom ops, whose autograd :func:`register`
   wires with the same :func:`save` and :func:`grads`, the backward staying inside the
   op graph (the backward op).
-
-Both save the forward's tensor inputs (q, k, v, then a packed batch's prefix sums), O
-and the LSE, and a backward callable with its non-tensor arguments.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
+from flashtune._env import interpreting
+from flashtune.kernels import _bound, _native
 from flashtune.kernels._plans import Plan
 
 
@@ -80,3 +84,27 @@ def register(fwd_op: Any, bwd_op: Any) -> None:
         return (*grads(ctx, do), *(None,) * (ctx.n_inputs - 3))
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+def apply(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          *cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager forward with autograd: (O, LSE), O's history leading to q, k and v.
+
+    The C++ node serves CUDA calls once the extension is built (``FLASHTUNE_NATIVE``), and
+    any call with ``FLASHTUNE_NATIVE=1``; the Python Function serves the rest, and calls
+    it cannot: forward-mode AD (the Function raises for it) and a launch hook installed
+    (the node's launches would bypass it)."""
+    ext = _native_for(q)
+    if ext is None or forward_ad._current_level >= 0 or _bound.hooked():
+        return Attention.apply(plan, q, k, v, *cu)
+    o, lse = plan.forward(q, k, v, *cu)
+    ext.attach(plan.native_handle(ext), plan, o, lse, q, k, v, list(cu))
+    return o, lse
+
+
+def _native_for(q: torch.Tensor) -> Any:
+    if q.is_cuda:
+        return _native.module()
+    if interpreting() and _native.mode() == "sync":  # CPU tensors: tests of the wiring
+        return _native.module()
+    return None

@@ -85,7 +85,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "args", "kwargs", "n_dynamic", "is_tensor", "tail",
-                 "bound", "rt")
+                 "bound", "compiled", "rt")
 
     def __init__(self, kernel: Any, grid: Sequence[int], args: Sequence[Any],
                  kwargs: dict[str, Any], n_dynamic: int) -> None:
@@ -96,6 +96,7 @@ class BoundLaunch:
         self.n_dynamic = n_dynamic
         self.is_tensor: tuple[bool, ...] = ()
         self.bound: dict[int, tuple[Any, Any, Any]] = {}
+        self.compiled: dict[int, Any] = {}  # the CompiledKernel bound, by device
         self.rt = None if interpreting() else _runtime_knobs()
         self.tail = self._tail() if self.rt is not None else None
 
@@ -141,8 +142,22 @@ class BoundLaunch:
             return
         if _Driver.device is None:
             _Driver.load()
-        self.bound[_Driver.device()] = (run, function, metadata)
+        device = _Driver.device()
+        self.bound[device] = (run, function, metadata)
+        self.compiled[device] = compiled
         counts["bind"] += 1
+
+
+_KNOBS: list[Any] = []
+
+
+def hooked() -> bool:
+    """True when Triton has a launch hook installed (a profiler): a launch must then go
+    through ``kernel[grid]``, which calls it. False under the interpreter (nothing binds)."""
+    if not _KNOBS:
+        _KNOBS.append(None if interpreting() else _runtime_knobs())
+    rt = _KNOBS[0]
+    return rt is not None and _hooked(rt)
 
 
 def aligned(*ts: torch.Tensor) -> bool:

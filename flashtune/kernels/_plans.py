@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from flashtune.kernels import _native
 from flashtune.kernels._bound import aligned
 from flashtune.kernels.attn_bwd import BwdLaunch
 from flashtune.kernels.attn_fwd import FwdLaunch, Packed
@@ -85,7 +86,7 @@ class Plan:
     """
 
     __slots__ = ("device", "causal", "scale", "window", "cap", "deterministic", "fwd_cfg",
-                 "bwd_cfg", "maxlen", "problem", "fwd", "bwd", "config")
+                 "bwd_cfg", "maxlen", "problem", "fwd", "bwd", "config", "native", "programs")
 
     def __init__(self, problem: Problem, device: torch.device, causal: bool, scale: float,
                  window: tuple[int, int], cap: float, deterministic: bool,
@@ -100,6 +101,16 @@ class Plan:
         self.fwd: FwdLaunch | None = None
         self.bwd: dict[Hashable, BwdLaunch] = {}
         self.config = config  # the public call's config argument, as given
+        # The C++ backward node's view of this plan (``_native``): its programs, one per
+        # entry of ``bwd`` that could be made one (``programs``: the keys tried).
+        self.native: Any = None
+        self.programs: set[Hashable] = set()
+
+    def native_handle(self, ext: Any) -> Any:
+        """The extension's per-plan object the C++ nodes of this plan share."""
+        if self.native is None:
+            self.native = ext.PlanNative()
+        return self.native
 
     def _resolve(self, direction: str, q: torch.Tensor, k: torch.Tensor) -> Config:
         if self.maxlen is None:
@@ -142,7 +153,12 @@ class Plan:
                                packed=self._packed(cu), deterministic=self.deterministic)
             if ok and (self.bwd_cfg is not None or _remembering(q.device)):
                 self.bwd[key] = launch
-        return launch(do, q, k, v, o, lse, *cu)
+        grads = launch(do, q, k, v, o, lse, *cu)
+        if self.native is not None and key not in self.programs and self.bwd.get(key) is launch:
+            # Bound now: the C++ node may launch it from here on (_native.add_program).
+            self.programs.add(key)
+            _native.add_program(self.native, launch, do, o)
+        return grads
 
     def forget(self, family: tuple[Any, ...] | None = None) -> bool:
         """Drop the resolved launches (of the direction whose key family is ``family``; of
@@ -152,6 +168,9 @@ class Plan:
             self.fwd, dropped = None, True
         if self.bwd_cfg is None and self.bwd and self._matches("bwd", family):
             self.bwd.clear()
+            self.programs.clear()
+            if self.native is not None:
+                self.native.clear()
             dropped = True
         return dropped
 

@@ -333,7 +333,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         plan = call_plan(q, k, v, causal, softmax_scale, window_size, softcap, deterministic,
                          config)
         if needs_grad(q, k, v):
-            o, lse = _autograd.Attention.apply(plan, q, k, v)
+            o, lse = _autograd.apply(plan, q, k, v)
         else:
             o, lse = plan.forward(q, k, v, lse=return_lse)
     return (o, lse) if return_lse else o

@@ -195,7 +195,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         plan = call_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          causal, softmax_scale, window_size, softcap, deterministic, config)
         if needs_grad(q, k, v):
-            o, lse = _autograd.Attention.apply(plan, q, k, v, *cu)
+            o, lse = _autograd.apply(plan, q, k, v, *cu)
         else:
             o, lse = plan.forward(q, k, v, *cu, lse=return_lse)
     return (o, lse) if return_lse else o

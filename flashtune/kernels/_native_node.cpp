@@ -1,0 +1,382 @@
+// flashtune's eager backward node, in C++.
+//
+// A Python autograd node costs its backward the GIL and the interpreter on the autograd
+// engine's device thread: at tiny shapes that is most of a training step's host time. This
+// node runs on that thread without Python. It saves what the Python wiring saves (q, k, v,
+// the prefix sums of a packed batch, O and the LSE), and its backward either
+//
+//   - runs a *program* of the plan: allocations and launches of Triton kernels that were
+//     compiled and bound by an earlier Python backward of the same call signature, launched
+//     here through the CUDA driver with the argument list Triton's own launcher builds; or
+//   - calls the plan's Python backward (``Plan.backward``), holding the GIL: the first
+//     backward of a signature, and every call a program does not serve (other strides of
+//     dO, unaligned data, another device, a variant that is not bound).
+//
+// No CUDA header is needed: the driver entry points are looked up in libcuda at first use,
+// and the current stream comes from c10's device-generic stream API. The same source builds
+// on a CPU-only torch, where only the Python backward runs.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ------------------------------------------------------------------------- the CUDA driver
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUfunction = void*;
+using CUstream = void*;
+
+struct Driver {
+  CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                     unsigned, CUstream, void**, void**) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  bool ok = false;
+};
+
+template <typename F>
+void lookup(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib == nullptr) return d;
+    lookup(lib, "cuLaunchKernel", &d.launch);
+    lookup(lib, "cuCtxGetCurrent", &d.ctx_get_current);
+    lookup(lib, "cuCtxSetCurrent", &d.ctx_set_current);
+    lookup(lib, "cuDeviceGet", &d.device_get);
+    lookup(lib, "cuDevicePrimaryCtxRetain", &d.primary_ctx_retain);
+    lookup(lib, "cuGetErrorString", &d.error_string);
+    d.ok = d.launch && d.ctx_get_current && d.ctx_set_current && d.device_get &&
+           d.primary_ctx_retain && d.error_string;
+    return d;
+  }();
+  return d;
+}
+
+void check(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* msg = nullptr;
+  if (driver().error_string != nullptr) driver().error_string(r, &msg);
+  throw std::runtime_error(std::string("flashtune native backward: ") + what + " failed: " +
+                           (msg != nullptr ? msg : "CUDA error " + std::to_string(r)));
+}
+
+// Triton's launcher makes the device's primary context current when none is; so do we (the
+// engine's device threads normally have it current already).
+void ensure_context(int device) {
+  const Driver& d = driver();
+  CUcontext ctx = nullptr;
+  check(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
+  if (ctx != nullptr) return;
+  CUdevice dev = 0;
+  check(d.device_get(&dev, device), "cuDeviceGet");
+  check(d.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(d.ctx_set_current(ctx), "cuCtxSetCurrent");
+}
+
+// ------------------------------------------------------------------------- programs
+
+// The tensors a launch may point into, by slot.
+enum Slot : int { Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_Q, CU_K, N_SLOTS };
+
+struct Param {
+  int slot;        // a tensor's data pointer (>= 0), or an immediate (-1)
+  uint64_t bits;   // the immediate's bytes, little end first
+  int size;        // the immediate's size in bytes (1, 2, 4 or 8)
+};
+
+struct Kernel {
+  CUfunction function;
+  unsigned grid[3];
+  unsigned threads;
+  unsigned shared;
+  std::vector<Param> params;  // then Triton's two scratch pointers, both null
+};
+
+// One backward of one plan: the layouts it was bound for and what it launches.
+struct Program {
+  int device;
+  std::vector<int64_t> do_strides, o_strides;
+  c10::ScalarType do_dtype;
+  bool delta;  // allocate a delta buffer shaped like the LSE
+  std::vector<Kernel> kernels;
+};
+
+std::atomic<int64_t> n_native{0}, n_python{0};
+
+// What a plan shares with its nodes: its programs (written by Python, read by the engine's
+// threads) and a switch that turns the programs off for a while (tests, hooks).
+struct PlanNative {
+  std::mutex mu;
+  std::vector<std::shared_ptr<const Program>> programs;
+
+  void add(std::shared_ptr<const Program> p) {
+    std::lock_guard<std::mutex> lock(mu);
+    programs.push_back(std::move(p));
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    programs.clear();
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return programs.size();
+  }
+  std::shared_ptr<const Program> find(const at::Tensor& d, const at::Tensor& o) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& p : programs) {
+      if (p->device == d.get_device() && p->do_dtype == d.scalar_type() &&
+          d.strides().equals(p->do_strides) && o.strides().equals(p->o_strides)) {
+        return p;
+      }
+    }
+    return nullptr;
+  }
+};
+
+// A Python object whose reference is dropped under the GIL, from whatever thread the last
+// owner (a node, freed by the autograd engine) happens to run on.
+struct PyRef {
+  PyObject* obj;
+  explicit PyRef(py::handle h) : obj(h.inc_ref().ptr()) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(obj);
+    }
+  }
+};
+
+bool aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// ------------------------------------------------------------------------- the node
+
+struct AttentionBackward : public Node {
+  std::shared_ptr<PlanNative> native;
+  std::shared_ptr<PyRef> plan;  // its .backward(do, q, k, v, o, lse, *cu) -> (dq, dk, dv)
+  SavedVariable q_, k_, v_, o_, lse_;
+  std::vector<SavedVariable> cu_;
+
+  std::string name() const override { return "FlashAttentionBackward"; }
+
+  void release_variables() override {
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    o_.reset_data();
+    lse_.reset_data();
+    for (auto& c : cu_) c.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor& d = grads[0];
+    if (!d.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // no gradient reached O
+    auto self = getptr();
+    at::Tensor q = q_.unpack(self), k = k_.unpack(self), v = v_.unpack(self);
+    at::Tensor o = o_.unpack(self), lse = lse_.unpack(self);
+    std::vector<at::Tensor> cu;
+    for (auto& c : cu_) cu.push_back(c.unpack(self));
+    if (auto program = serves(d, q, k, v, o, lse, cu)) {
+      return run(*program, d, q, k, v, o, lse, cu);
+    }
+    return python(d, q, k, v, o, lse, cu);
+  }
+
+  std::shared_ptr<const Program> serves(const at::Tensor& d, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& o, const at::Tensor& lse,
+                                        const std::vector<at::Tensor>& cu) {
+    if (!d.is_cuda() || !lse.is_contiguous() || !driver().ok) return nullptr;
+    auto program = native->find(d, o);
+    if (!program) return nullptr;
+    for (const at::Tensor* t : {&d, &q, &k, &v, &o, &lse}) {
+      if (!aligned(*t)) return nullptr;
+    }
+    for (const auto& c : cu) {
+      if (!aligned(c)) return nullptr;
+    }
+    return program;
+  }
+
+  variable_list run(const Program& p, const at::Tensor& d, const at::Tensor& q,
+                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+                    const at::Tensor& lse, const std::vector<at::Tensor>& cu) {
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    at::Tensor delta = p.delta ? at::empty_like(lse) : lse;
+    uint64_t ptr[N_SLOTS] = {};
+    const at::Tensor* slots[N_SLOTS] = {&q, &k, &v, &o, &d, &lse, &delta, &dq, &dk, &dv,
+                                        cu.empty() ? &q : &cu[0], cu.empty() ? &q : &cu[1]};
+    for (int i = 0; i < N_SLOTS; ++i) {
+      ptr[i] = reinterpret_cast<uint64_t>(slots[i]->data_ptr());
+    }
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(p.device));
+    auto stream = static_cast<CUstream>(guard.getStream(device).native_handle());
+    ensure_context(p.device);
+    std::vector<uint64_t> values;
+    std::vector<void*> params;
+    for (const Kernel& kern : p.kernels) {
+      if (static_cast<uint64_t>(kern.grid[0]) * kern.grid[1] * kern.grid[2] == 0) continue;
+      values.assign(kern.params.size() + 2, 0);  // + Triton's scratch pointers, null
+      params.resize(values.size());
+      for (size_t i = 0; i < kern.params.size(); ++i) {
+        const Param& prm = kern.params[i];
+        values[i] = prm.slot >= 0 ? ptr[prm.slot] : prm.bits;
+      }
+      for (size_t i = 0; i < values.size(); ++i) params[i] = &values[i];
+      check(driver().launch(kern.function, kern.grid[0], kern.grid[1], kern.grid[2],
+                            kern.threads, 1, 1, kern.shared, stream, params.data(), nullptr),
+            "cuLaunchKernel");
+    }
+    n_native.fetch_add(1, std::memory_order_relaxed);
+    return {dq, dk, dv};
+  }
+
+  variable_list python(const at::Tensor& d, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                       const std::vector<at::Tensor>& cu) {
+    py::gil_scoped_acquire gil;
+    py::tuple args(6 + cu.size());
+    const at::Tensor* ts[6] = {&d, &q, &k, &v, &o, &lse};
+    for (size_t i = 0; i < 6; ++i) args[i] = py::cast(*ts[i]);
+    for (size_t i = 0; i < cu.size(); ++i) args[6 + i] = py::cast(cu[i]);
+    py::object out = py::handle(plan->obj).attr("backward")(*args);
+    auto grads = out.cast<std::vector<at::Tensor>>();
+    if (grads.size() != 3) throw std::runtime_error("Plan.backward must return (dq, dk, dv)");
+    n_python.fetch_add(1, std::memory_order_relaxed);
+    return {grads[0], grads[1], grads[2]};
+  }
+};
+
+// Nodes are held by std::shared_ptr up to some torch release, by c10::intrusive_ptr after.
+using NodePtr = decltype(std::declval<Node&>().getptr());
+template <typename Ptr>
+struct Make;
+template <typename T>
+struct Make<std::shared_ptr<T>> {
+  static std::shared_ptr<AttentionBackward> make() {
+    return std::make_shared<AttentionBackward>();
+  }
+};
+template <typename T>
+struct Make<c10::intrusive_ptr<T>> {
+  static c10::intrusive_ptr<AttentionBackward> make() {
+    return c10::make_intrusive<AttentionBackward>();
+  }
+};
+
+// Make ``o`` the output of a new node whose inputs are q, k and v. Nothing else of the
+// forward changes: ``o`` and ``lse`` were computed without autograd, and the LSE stays
+// without history (it is not differentiable).
+void attach(const std::shared_ptr<PlanNative>& native, py::handle plan, const at::Tensor& o,
+            const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
+            const at::Tensor& v, const std::vector<at::Tensor>& cu) {
+  auto node = Make<NodePtr>::make();
+  node->native = native;
+  node->plan = std::make_shared<PyRef>(plan);
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  node->q_ = SavedVariable(q, false);
+  node->k_ = SavedVariable(k, false);
+  node->v_ = SavedVariable(v, false);
+  node->lse_ = SavedVariable(lse, false);
+  for (const auto& c : cu) node->cu_.emplace_back(c, false);
+  torch::autograd::set_history(o, NodePtr(node));
+  node->o_ = SavedVariable(o, true);
+}
+
+// A program from its description (see flashtune/kernels/_native.py): kernels as
+// (function, grid, threads, shared, [(slot, bits, size), ...]).
+using KernelDescriptions =
+    std::vector<std::tuple<uint64_t, std::vector<unsigned>, unsigned, unsigned,
+                           std::vector<std::tuple<int, uint64_t, int>>>>;
+
+std::shared_ptr<const Program> program(const at::Tensor& d, const at::Tensor& o, bool delta,
+                                       const KernelDescriptions& kernels) {
+  if (!d.is_cuda() || d.get_device() != o.get_device()) {
+    throw std::invalid_argument("a program serves CUDA tensors of one device");
+  }
+  auto p = std::make_shared<Program>();
+  p->device = d.get_device();
+  p->do_strides = d.strides().vec();
+  p->o_strides = o.strides().vec();
+  p->do_dtype = d.scalar_type();
+  p->delta = delta;
+  for (const auto& [function, grid, threads, shared, params] : kernels) {
+    if (grid.size() != 3) throw std::invalid_argument("a grid has three dimensions");
+    Kernel kern{reinterpret_cast<CUfunction>(function), {grid[0], grid[1], grid[2]}, threads,
+                shared, {}};
+    for (const auto& [slot, bits, size] : params) {
+      if (slot >= N_SLOTS || slot < -1) throw std::invalid_argument("no such tensor slot");
+      if (slot < 0 && size != 1 && size != 2 && size != 4 && size != 8) {
+        throw std::invalid_argument("an immediate is 1, 2, 4 or 8 bytes");
+      }
+      kern.params.push_back({slot, bits, size});
+    }
+    p->kernels.push_back(std::move(kern));
+  }
+  return p;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(flashtune_native, m) {
+  m.doc() = "flashtune's eager attention backward node (see _native_node.cpp)";
+  py::class_<PlanNative, std::shared_ptr<PlanNative>>(m, "PlanNative")
+      .def(py::init<>())
+      .def("clear", &PlanNative::clear)
+      .def("__len__", &PlanNative::size)
+      .def("add", [](PlanNative& self, const at::Tensor& d, const at::Tensor& o, bool delta,
+                     const KernelDescriptions& kernels) {
+        self.add(program(d, o, delta, kernels));
+      }, "serve backwards whose dO and O have the layouts of d and o with these launches",
+      py::arg("do"), py::arg("o"), py::arg("delta"), py::arg("kernels"));
+  m.def("attach", &attach, "make o the output of a FlashAttentionBackward node",
+        py::arg("native"), py::arg("plan"), py::arg("o"), py::arg("lse"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu"));
+  m.def("counts", [] {
+    return std::make_pair(n_native.load(), n_python.load());
+  }, "(backwards run from a program, backwards run by Python)");
+  m.def("driver_ok", [] { return driver().ok; });
+  m.def("slots", [] {
+    return std::vector<std::string>{"q", "k", "v", "o", "do", "lse", "delta", "dq", "dk",
+                                    "dv", "cu_q", "cu_k"};
+  });
+}
