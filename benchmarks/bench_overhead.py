@@ -24,7 +24,9 @@ loop of its own: the signature cache, what a first sight adds (validation, the p
 key, the dispatcher's lookup), the output allocations, one bound launch against one
 ``kernel[grid]`` launch, the autograd Function, the Function's backward body, and a whole
 ``torch.autograd.grad`` step of ours, of SDPA and of one elementwise op (what the autograd
-engine costs around any op). flashtune runs with an empty tuning
+engine costs around any op). The C++ backward node (``FLASHTUNE_NATIVE``) is built or
+loaded first, and the JSON's ``native`` says whether it ran; ``FLASHTUNE_NATIVE=0``
+measures the Python node. flashtune runs with an empty tuning
 database (heuristic configs) unless ``FLASHTUNE_DB`` is set. Needs CUDA; runs on torch and
 triton alone (no install: the project on ``PYTHONPATH``).
 """

@@ -61,6 +61,7 @@ class _State:
     error: str | None = None
     building: threading.Thread | None = None
     loaded: dict[str, Any] = {}
+    path: Path | None = None
     lock = threading.Lock()
 
 
@@ -85,7 +86,11 @@ def build_dir() -> Path:
 
 
 def _library() -> Path:
-    return build_dir() / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    """The library's path (hashing the source: computed once, until :func:`reset`)."""
+    if _State.path is None:
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        _State.path = build_dir() / f"{MODULE}{suffix}"
+    return _State.path
 
 
 def compile_command(output: Path) -> list[str]:
@@ -197,7 +202,7 @@ def reset() -> None:
     with _State.lock:
         if _State.building is not None:
             _State.building.join()
-        _State.module = _State.error = _State.building = None
+        _State.module = _State.error = _State.building = _State.path = None
 
 
 # ----------------------------------------------------------------------------- programs
