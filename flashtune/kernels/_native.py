@@ -183,6 +183,11 @@ def module(wait: bool | None = None) -> Any:
     return None
 
 
+def settled() -> bool:
+    """True when :func:`module` will stay None: switched off, or the build failed."""
+    return _State.module is None and (_State.error is not None or mode() == "off")
+
+
 def status() -> dict[str, Any]:
     """What :func:`module` has: loaded, building, failed (with the reason) or not tried."""
     if _State.module is not None:
@@ -296,3 +301,18 @@ def add_program(native: Any, bwd: Any, do: torch.Tensor, o: torch.Tensor) -> boo
         kernels.append(described)
     native.add(do, o, not bwd.fused, kernels)
     return True
+
+
+def forward_program(ext: Any, fwd: Any, q: torch.Tensor, packed: bool) -> Any:
+    """The node's program of :class:`~flashtune.kernels.attn_fwd.FwdLaunch` ``fwd`` (which
+    has launched on ``q``'s device), or None: the Hopper kernel, K/V through tensor
+    descriptors, or a launch the node cannot make. Its pointers, as ``FwdLaunch`` hands
+    them over: q, k, v, O, the LSE, K and V again, the prefix sums (q twice when dense)."""
+    if fwd.hopper is not None or fwd.descriptors is not None or not launcher_supported():
+        return None
+    cu = ("cu_q", "cu_k") if packed else ("q", "q")
+    described = describe(fwd.launch, ("q", "k", "v", "o", "lse", "k", "v", *cu),
+                         q.device.index)
+    if described is None:
+        return None
+    return ext.forward_program(q, [described], list(fwd.lse_shape), fwd.scratch)

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -136,7 +137,7 @@ struct Program {
   std::vector<Kernel> kernels;
 };
 
-std::atomic<int64_t> n_native{0}, n_python{0};
+std::atomic<int64_t> n_native{0}, n_python{0}, n_forward{0};
 
 // What a plan shares with its nodes: its programs (written by Python, read by the engine's
 // threads) and a switch that turns the programs off for a while (tests, hooks).
@@ -185,6 +186,31 @@ struct PyRef {
 
 bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// Launch ``kernels`` in order on ``device``'s current stream, their pointers read from
+// ``ptr`` by slot.
+void launch_all(const Kernel* kernels, size_t n_kernels, int device, const uint64_t* ptr) {
+  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  auto stream = static_cast<CUstream>(guard.getStream(dev).native_handle());
+  ensure_context(device);
+  uint64_t values[64];
+  void* params[64];
+  for (const Kernel* kp = kernels; kp != kernels + n_kernels; ++kp) {
+    const Kernel& kern = *kp;
+    if (static_cast<uint64_t>(kern.grid[0]) * kern.grid[1] * kern.grid[2] == 0) continue;
+    const size_t n = kern.params.size();
+    for (size_t i = 0; i < n; ++i) {
+      const Param& prm = kern.params[i];
+      values[i] = prm.slot >= 0 ? ptr[prm.slot] : prm.bits;
+    }
+    values[n] = values[n + 1] = 0;  // Triton's global and profile scratch pointers: none
+    for (size_t i = 0; i < n + 2; ++i) params[i] = &values[i];
+    check(driver().launch(kern.function, kern.grid[0], kern.grid[1], kern.grid[2],
+                          kern.threads, 1, 1, kern.shared, stream, params, nullptr),
+          "cuLaunchKernel");
+  }
 }
 
 // ------------------------------------------------------------------------- the node
@@ -247,25 +273,7 @@ struct AttentionBackward : public Node {
     for (int i = 0; i < N_SLOTS; ++i) {
       ptr[i] = reinterpret_cast<uint64_t>(slots[i]->data_ptr());
     }
-    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(p.device));
-    auto stream = static_cast<CUstream>(guard.getStream(device).native_handle());
-    ensure_context(p.device);
-    std::vector<uint64_t> values;
-    std::vector<void*> params;
-    for (const Kernel& kern : p.kernels) {
-      if (static_cast<uint64_t>(kern.grid[0]) * kern.grid[1] * kern.grid[2] == 0) continue;
-      values.assign(kern.params.size() + 2, 0);  // + Triton's scratch pointers, null
-      params.resize(values.size());
-      for (size_t i = 0; i < kern.params.size(); ++i) {
-        const Param& prm = kern.params[i];
-        values[i] = prm.slot >= 0 ? ptr[prm.slot] : prm.bits;
-      }
-      for (size_t i = 0; i < values.size(); ++i) params[i] = &values[i];
-      check(driver().launch(kern.function, kern.grid[0], kern.grid[1], kern.grid[2],
-                            kern.threads, 1, 1, kern.shared, stream, params.data(), nullptr),
-            "cuLaunchKernel");
-    }
+    launch_all(p.kernels.data(), p.kernels.size(), p.device, ptr);
     n_native.fetch_add(1, std::memory_order_relaxed);
     return {dq, dk, dv};
   }
@@ -343,6 +351,7 @@ std::shared_ptr<const Program> program(const at::Tensor& d, const at::Tensor& o,
     if (grid.size() != 3) throw std::invalid_argument("a grid has three dimensions");
     Kernel kern{reinterpret_cast<CUfunction>(function), {grid[0], grid[1], grid[2]}, threads,
                 shared, {}};
+    if (params.size() > 62) throw std::invalid_argument("more than 62 kernel parameters");
     for (const auto& [slot, bits, size] : params) {
       if (slot >= N_SLOTS || slot < -1) throw std::invalid_argument("no such tensor slot");
       if (slot < 0 && size != 1 && size != 2 && size != 4 && size != 8) {
@@ -355,6 +364,36 @@ std::shared_ptr<const Program> program(const at::Tensor& d, const at::Tensor& o,
   return p;
 }
 
+
+// ------------------------------------------------------------------------- the forward
+
+// One bound portable forward: O shaped like q, the LSE (lse_shape, fp32) or, for a call
+// that drops it, the plan's scratch buffer.
+struct Forward {
+  int device;
+  Kernel kernel;
+  std::vector<int64_t> lse_shape;
+  at::Tensor scratch;  // undefined: none
+};
+
+std::pair<at::Tensor, at::Tensor> forward(const Forward& f, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v,
+                                          const std::optional<at::Tensor>& cu_q,
+                                          const std::optional<at::Tensor>& cu_k, bool want_lse) {
+  if (q.get_device() != f.device) throw std::invalid_argument("a forward program of another device");
+  at::Tensor o = at::empty_like(q);
+  at::Tensor lse = !want_lse && f.scratch.defined()
+                       ? f.scratch
+                       : at::empty(f.lse_shape, q.options().dtype(at::kFloat));
+  const at::Tensor& cq = cu_q ? *cu_q : q;
+  const at::Tensor& ck = cu_k ? *cu_k : q;
+  uint64_t ptr[N_SLOTS] = {};
+  const at::Tensor* slots[N_SLOTS] = {&q, &k, &v, &o, &q, &lse, &q, &q, &q, &q, &cq, &ck};
+  for (int i = 0; i < N_SLOTS; ++i) ptr[i] = reinterpret_cast<uint64_t>(slots[i]->data_ptr());
+  launch_all(&f.kernel, 1, f.device, ptr);
+  n_forward.fetch_add(1, std::memory_order_relaxed);
+  return {o, lse};
+}
 }  // namespace
 
 PYBIND11_MODULE(flashtune_native, m) {
@@ -368,12 +407,30 @@ PYBIND11_MODULE(flashtune_native, m) {
         self.add(program(d, o, delta, kernels));
       }, "serve backwards whose dO and O have the layouts of d and o with these launches",
       py::arg("do"), py::arg("o"), py::arg("delta"), py::arg("kernels"));
+  py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward");
+  m.def("forward_program", [](const at::Tensor& q, const KernelDescriptions& kernel,
+                              std::vector<int64_t> lse_shape,
+                              const std::optional<at::Tensor>& scratch) {
+    if (!q.is_cuda() || kernel.size() != 1) throw std::invalid_argument("one CUDA kernel");
+    auto prog = program(q, q, false, kernel);
+    auto f = std::make_shared<Forward>();
+    f->device = q.get_device();
+    f->kernel = prog->kernels[0];
+    f->lse_shape = std::move(lse_shape);
+    if (scratch) f->scratch = *scratch;
+    return f;
+  }, "a bound portable forward as a program", py::arg("q"), py::arg("kernel"),
+        py::arg("lse_shape"), py::arg("scratch"));
+  m.def("forward", &forward, "(O, LSE) of a forward program: allocate and launch",
+        py::arg("program"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_q"),
+        py::arg("cu_k"), py::arg("lse"));
   m.def("attach", &attach, "make o the output of a FlashAttentionBackward node",
         py::arg("native"), py::arg("plan"), py::arg("o"), py::arg("lse"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("cu"));
   m.def("counts", [] {
     return std::make_pair(n_native.load(), n_python.load());
   }, "(backwards run from a program, backwards run by Python)");
+  m.def("forward_count", [] { return n_forward.load(); }, "forwards run from a program");
   m.def("driver_ok", [] { return driver().ok; });
   m.def("slots", [] {
     return std::vector<std::string>{"q", "k", "v", "o", "do", "lse", "delta", "dq", "dk",

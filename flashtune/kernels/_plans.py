@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from flashtune.kernels import _native
-from flashtune.kernels._bound import aligned
+from flashtune.kernels._bound import aligned, hooked
 from flashtune.kernels.attn_bwd import BwdLaunch
 from flashtune.kernels.attn_fwd import FwdLaunch, Packed
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_config
@@ -86,7 +86,8 @@ class Plan:
     """
 
     __slots__ = ("device", "causal", "scale", "window", "cap", "deterministic", "fwd_cfg",
-                 "bwd_cfg", "maxlen", "problem", "fwd", "bwd", "config", "native", "programs")
+                 "bwd_cfg", "maxlen", "problem", "fwd", "bwd", "config", "native", "programs",
+                 "fwd_native")
 
     def __init__(self, problem: Problem, device: torch.device, causal: bool, scale: float,
                  window: tuple[int, int], cap: float, deterministic: bool,
@@ -105,6 +106,9 @@ class Plan:
         # entry of ``bwd`` that could be made one (``programs``: the keys tried).
         self.native: Any = None
         self.programs: set[Hashable] = set()
+        # The extension's program of ``fwd`` and its launcher; () none can be made; None
+        # not tried yet.
+        self.fwd_native: tuple[Any, ...] | None = None
 
     def native_handle(self, ext: Any) -> Any:
         """The extension's per-plan object the C++ nodes of this plan share."""
@@ -136,7 +140,21 @@ class Plan:
                                packed=self._packed(cu))
             if aligned(q, k, v, *cu) and (self.fwd_cfg is not None or _remembering(q.device)):
                 self.fwd = launch
-        return launch(q, k, v, *cu, lse=lse)
+                self.fwd_native = None
+        elif self.fwd_native and not hooked():
+            if cu:
+                return self.fwd_native[1](self.fwd_native[0], q, k, v, cu[0], cu[1], lse)
+            return self.fwd_native[1](self.fwd_native[0], q, k, v, None, None, lse)
+        out = launch(q, k, v, *cu, lse=lse)
+        if self.fwd_native is None and launch is self.fwd and q.is_cuda:
+            # Bound now: the extension may allocate and launch it from here on.
+            ext = _native.module()
+            if ext is not None:
+                program = _native.forward_program(ext, launch, q, bool(cu))
+                self.fwd_native = (program, ext.forward) if program is not None else ()
+            elif _native.settled():  # switched off, or the build failed: never
+                self.fwd_native = ()
+        return out
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, *cu: torch.Tensor,
@@ -165,7 +183,7 @@ class Plan:
         both with None). Forced configs stay. True if anything was dropped."""
         dropped = False
         if self.fwd_cfg is None and self.fwd is not None and self._matches("fwd", family):
-            self.fwd, dropped = None, True
+            self.fwd, self.fwd_native, dropped = None, None, True
         if self.bwd_cfg is None and self.bwd and self._matches("bwd", family):
             self.bwd.clear()
             self.programs.clear()

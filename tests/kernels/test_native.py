@@ -275,3 +275,31 @@ def test_a_cuda_graph_captures_the_native_backward(ext, seed: int) -> None:
     _, _, want = _grads(*fresh, causal=True)
     for got, ref in zip(grads, want, strict=True):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_forward_program_gives_the_bits_of_the_python_forward(ext, causal: bool,
+                                                                  seed: int) -> None:
+    """A signature's bound portable forward is then allocated and launched by the
+    extension: O and the LSE are the Python launch's, and a call that drops the LSE gets
+    the same O."""
+    from flashtune.kernels.attn_fwd import attn_fwd
+
+    q, k, v, _ = _inputs("cuda", seed, dtype=torch.bfloat16)
+    p = Problem.from_tensors(q, k, causal=causal)
+    cfg = default_fwd(p)
+    want_o, want_lse = attn_fwd(q, k, v, causal=causal, sm_scale=q.shape[-1] ** -0.5,
+                                window=(-1, -1), softcap=0.0, config=cfg)
+    runs = []
+    for i in range(4):
+        before = ext.forward_count()
+        with torch.no_grad():
+            if i < 3:
+                o, lse = flash_attention(q, k, v, causal=causal, return_lse=True, config=cfg)
+                assert torch.equal(lse, want_lse)
+            else:
+                o = flash_attention(q, k, v, causal=causal, config=cfg)
+        assert torch.equal(o, want_o)
+        runs.append(ext.forward_count() - before)
+    assert runs == [0, 1, 1, 1]  # the first binds through Triton
