@@ -14,15 +14,17 @@ torch's headers; no CUDA toolkit is needed. Compiling takes 20-60 s. ``FLASHTUNE
 says when:
 
 - ``auto`` (unset): use a build already in the cache; if there is none, build it in a
-  background thread on the first call that needs it, and serve the Python node until it is
-  ready;
+  background thread on the first CUDA call, and serve the Python node and launches until it
+  is ready;
 - ``1``: build (or load) on the first call that needs it, and wait for it;
 - ``0``: never; the Python node only.
 
 Anything that fails (no compiler, no headers, a compile error) leaves the Python node in
 place, with the reason in :func:`status`. Programs are made only for Triton releases whose
 launcher convention the node reproduces (:data:`LAUNCHER_VERSIONS`), and only for the
-bound portable backwards (no tensor descriptors, no launch attributes).
+bound portable kernels (no tensor descriptors, no launch attributes). The same module also
+runs a plan's bound portable forward (:func:`forward_program`): O and the LSE allocated and
+the kernel launched in C++, instead of through Triton's Python launcher.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// flashtune's eager backward node, in C++.
+// flashtune's eager backward node, and its forward launches, in C++.
 //
 // A Python autograd node costs its backward the GIL and the interpreter on the autograd
 // engine's device thread: at tiny shapes that is most of a training step's host time. This
@@ -11,6 +11,9 @@
 //   - calls the plan's Python backward (``Plan.backward``), holding the GIL: the first
 //     backward of a signature, and every call a program does not serve (other strides of
 //     dO, unaligned data, another device, a variant that is not bound).
+//
+// The module also runs a plan's bound portable *forward* (``forward``): O and the LSE
+// allocated here and the kernel launched as above, without Triton's Python launcher.
 //
 // No CUDA header is needed: the driver entry points are looked up in libcuda at first use,
 // and the current stream comes from c10's device-generic stream API. The same source builds
@@ -139,8 +142,8 @@ struct Program {
 
 std::atomic<int64_t> n_native{0}, n_python{0}, n_forward{0};
 
-// What a plan shares with its nodes: its programs (written by Python, read by the engine's
-// threads) and a switch that turns the programs off for a while (tests, hooks).
+// What a plan shares with its nodes: its backward programs, written by Python and read by
+// the engine's threads.
 struct PlanNative {
   std::mutex mu;
   std::vector<std::shared_ptr<const Program>> programs;
@@ -188,12 +191,24 @@ bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// Makes ``device`` the current CUDA device (its primary context current) for a scope, as
+// torch's device guard does for an op: the kernel handles belong to that device's context,
+// while the calling thread's current device may be another one.
+struct DeviceScope {
+  c10::impl::VirtualGuardImpl impl{c10::DeviceType::CUDA};
+  c10::Device old;
+  explicit DeviceScope(const c10::Device& dev) : old(impl.exchangeDevice(dev)) {}
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() { impl.uncheckedSetDevice(old); }
+};
+
 // Launch ``kernels`` in order on ``device``'s current stream, their pointers read from
 // ``ptr`` by slot.
 void launch_all(const Kernel* kernels, size_t n_kernels, int device, const uint64_t* ptr) {
-  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
   c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
-  auto stream = static_cast<CUstream>(guard.getStream(dev).native_handle());
+  DeviceScope scope(dev);
+  auto stream = static_cast<CUstream>(scope.impl.getStream(dev).native_handle());
   ensure_context(device);
   uint64_t values[64];
   void* params[64];

@@ -65,6 +65,7 @@ def test_the_node_gives_the_python_functions_gradients(ext, kw, device: str, see
     o, fn, grads = _grads(q, k, v, do, **kw)
     assert fn.name() == "FlashAttentionBackward"
     assert sum(ext.counts()) == native + python + 1  # one backward, by whichever path
+    assert tuple(ext.slots()) == _native.SLOTS  # the programs' slot names, on both sides
     with monkeypatch.context() as m:
         _python_node(m)
         o2, fn2, want = _grads(q, k, v, do, **kw)
@@ -199,10 +200,6 @@ def test_switched_off_the_python_node_serves(device: str, seed: int,
 # ----------------------------------------------------------------------------- GPU
 
 
-def _counts(ext) -> tuple[int, int]:
-    return ext.counts()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("variant", [BWD_TWO_KERNEL, BWD_ONE_LAUNCH, BWD_FUSED])
@@ -218,7 +215,7 @@ def test_programs_give_the_bits_of_the_python_backward(ext, variant: int, causal
         _python_node(m)
         _, _, want = _grads(q, k, v, do, causal=causal, config=cfg)
     for i in range(4):
-        before = _counts(ext)
+        before = ext.counts()
         stream = torch.cuda.Stream() if i == 3 else torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -228,7 +225,7 @@ def test_programs_give_the_bits_of_the_python_backward(ext, variant: int, causal
         assert fn.name() == "FlashAttentionBackward"
         for got, ref in zip(grads, want, strict=True):
             assert torch.equal(got, ref)
-        native, python = (a - b for a, b in zip(_counts(ext), before, strict=True))
+        native, python = (a - b for a, b in zip(ext.counts(), before, strict=True))
         assert (native, python) == ((0, 1) if i == 0 else (1, 0)), (i, native, python)
 
 
@@ -242,9 +239,9 @@ def test_forgetting_a_plans_backward_drops_its_programs(ext, seed: int) -> None:
     assert _plans.forget() >= 1 and len(plan.native) == 0
     steps = []
     for _ in range(2):
-        before = _counts(ext)
+        before = ext.counts()
         _grads(q, k, v, do)
-        steps.append(tuple(a - b for a, b in zip(_counts(ext), before, strict=True)))
+        steps.append(tuple(a - b for a, b in zip(ext.counts(), before, strict=True)))
     assert steps == [(0, 1), (1, 0)]  # resolved and bound again, then native
 
 
@@ -261,11 +258,11 @@ def test_a_cuda_graph_captures_the_native_backward(ext, seed: int) -> None:
             torch.autograd.grad(flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    before = _counts(ext)
+    before = ext.counts()
     with torch.cuda.graph(graph):
         out = flash_attention(qg, kg, vg, causal=True)
         grads = torch.autograd.grad(out, (qg, kg, vg), do)
-    assert _counts(ext)[0] == before[0] + 1
+    assert ext.counts()[0] == before[0] + 1
     fresh = _inputs("cuda", seed + 1, dtype=torch.bfloat16)
     with torch.no_grad():
         for dst, src in zip((qg, kg, vg, do), fresh, strict=True):
@@ -303,3 +300,28 @@ def test_the_forward_program_gives_the_bits_of_the_python_forward(ext, causal: b
         assert torch.equal(o, want_o)
         runs.append(ext.forward_count() - before)
     assert runs == [0, 1, 1, 1]  # the first binds through Triton
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_programs_launch_on_the_tensors_device_whatever_the_current_one(
+        ext, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors on cuda:1 with cuda:0 current: the programs, bound on cuda:1, launch there
+    (its context made current for the launch, the current device restored) and give the
+    Python path's bits."""
+    q, k, v, do = _inputs("cuda:1", seed, dtype=torch.bfloat16)
+    with monkeypatch.context() as m:
+        _python_node(m)
+        with torch.cuda.device(1):
+            want_o, _, want = _grads(q, k, v, do)
+    with torch.cuda.device(1):  # bind on the tensors' device
+        _grads(q, k, v, do)
+    torch.cuda.set_device(0)
+    fwd, (native, _) = ext.forward_count(), ext.counts()
+    o, _, grads = _grads(q, k, v, do)
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    assert ext.forward_count() == fwd + 1 and ext.counts()[0] == native + 1
+    assert torch.equal(o, want_o)
+    for got, ref in zip(grads, want, strict=True):
+        assert torch.equal(got, ref)
