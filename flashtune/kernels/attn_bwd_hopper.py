@@ -20,10 +20,13 @@ every query tile that can see it (for GQA, of every query head of the group, in 
 of the dQ tile in shared memory and adds it with one TMA reduce-add: fast, but the fp32
 sum order varies from run to run. With it, the two consumers split dQ's columns instead
 (each multiplies the whole dS tile by its half of K) and hand their columns, in 32-column
-chunks, through a ring of staging buffers to a one-warp **dQ writer**. Each (query tile,
-column half) has a semaphore: the writer adds a key tile's chunks with TMA reduce-adds
-only when the count equals that key tile's rank (see ``_dq_turn``), then passes the turn
-on. The consumers never wait for a turn, only for a free staging buffer. dK and dV never
+chunks, through a ring of staging buffers to a one-warp **dQ writer** of their own. Each
+(query tile, column half) has a semaphore: a writer adds a key tile's chunks with TMA
+reduce-adds only when the count equals that key tile's rank (see ``_dq_turn``), then
+passes the turn on. The consumers never wait for a turn, only for a free staging buffer,
+and the two writers' turns overlap. Where shared memory has room, dS has two slots and
+each tile's dQ columns are computed one tile late (``_dq_stage``), so the two consumers,
+which both need each other's dS, are not held in step at every tile. dK and dV never
 race: one program owns each key tile, and GQA heads are summed in order.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
@@ -144,8 +147,8 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
     they take turns in the order they reach it when programs advance in step: ORDER 0
     ascending; ORDER 1 (masked: a later key tile starts its walk at a later query tile, so
     it reaches each query tile sooner) descending; ORDER 2 cyclically, from the key tile
-    whose walk started at or last before the query tile. Each consumer adds its own
-    columns of dQ, so each has its own semaphore."""
+    whose walk started at or last before the query tile. Each consumer's columns of dQ
+    are added by its own writer, so each has its own semaphore."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     n_n = gl.num_programs(0)
     m = start // BLOCK_M
@@ -163,15 +166,16 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
 
 
 @gluon.jit
-def _dq_chunk(ds_smem, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
+def _dq_chunk(ds_smem, ds_base, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
               BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
               CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr, dq_layout: gl.constexpr):
     """Issue (asynchronously) chunk ``c`` of this consumer's dQ columns: over every
-    consumer's keys when the consumers split dQ's columns (SPLIT_D), else over its own."""
+    consumer's keys (the dS tiles from ``ds_base`` on) when the consumers split dQ's
+    columns (SPLIT_D), else over its own."""
     dq = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
     if SPLIT_D:
         for j in gl.static_range(CONSUMERS):
-            dq = warpgroup_mma(ds_smem.index(j).permute((1, 0)),
+            dq = warpgroup_mma(ds_smem.index(ds_base + j).permute((1, 0)),
                                k_smem.index(j).slice(cid * DQ_COLS + c * DQ_CHUNK, DQ_CHUNK,
                                                      dim=1),
                                dq, is_async=True)
@@ -183,15 +187,17 @@ def _dq_chunk(ds_smem, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
 
 
 @gluon.jit
-def _bwd_dq_writer(desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k, offset,
-                   left, right, n_m, GQA: gl.constexpr, CONSUMERS: gl.constexpr,
+def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                   seq_k, offset, left, right, n_m, GQA: gl.constexpr, CONSUMERS: gl.constexpr,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, ORDER: gl.constexpr,
                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_RING: gl.constexpr):
-    """The fixed order's dQ adds, in one warp: for each query tile the program visits (in
-    the consumers' order), and each consumer's columns, wait for this key tile's turn,
-    add the staged chunks with TMA reduce-adds, and pass the turn on once the reductions
-    have read their sources (as FA3 orders its bulk reduce-adds). The consumers only wait
-    for a free staging buffer, so a turn's wait overlaps their next tiles' work."""
+    """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
+    consumer: their column halves have semaphores of their own, so the two writers' turns
+    overlap): for each query tile the program visits, in the consumers' order, wait for
+    this key tile's turn, add the staged chunks with TMA reduce-adds, and pass the turn on
+    once the reductions have read their sources (as FA3 orders its bulk reduce-adds). The
+    consumer only waits for a free staging buffer, so a turn's wait overlaps its next
+    tiles' work."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     DQ_CHUNK: gl.constexpr = desc_dq.block_type.shape[3]
     DQ_COLS: gl.constexpr = D // CONSUMERS
@@ -209,25 +215,52 @@ def _bwd_dq_writer(desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, se
         bh = (b * heads_q + h).to(gl.int64)
         for it in range((hi - lo) // BLOCK_M):
             start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
-            for cid in gl.static_range(CONSUMERS):
-                sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
-                                     left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
-                                     MASK_RIGHT)
-                while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                    pass
-                for c in gl.static_range(CHUNKS):
-                    slot = (cnt * CHUNKS + c) % DQ_RING
-                    mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
-                                  ((cnt * CHUNKS + c) // DQ_RING) & 1)
-                    _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
-                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                                        gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
-                tma.store_wait(0)
-                for c in gl.static_range(CHUNKS):
-                    mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
-                                    count=1)
-                gl.atomic_xchg(sem, turn + 1, sem="release")
+            sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset, left,
+                                 right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT, MASK_RIGHT)
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
+            for c in gl.static_range(CHUNKS):
+                slot = (cnt * CHUNKS + c) % DQ_RING
+                mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
+                              ((cnt * CHUNKS + c) // DQ_RING) & 1)
+                _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
+                                dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                    gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
+            tma.store_wait(0)
+            for c in gl.static_range(CHUNKS):
+                mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
+                                count=1)
+            gl.atomic_xchg(sem, turn + 1, sem="release")
             cnt += 1
+
+
+@gluon.jit
+def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
+              dq_empty, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
+              CONSUMERS: gl.constexpr, DQ_RING: gl.constexpr, dq_layout: gl.constexpr):
+    """The fixed order's dQ columns of this consumer for the ``t``-th tile of its walk,
+    when they are computed one tile late (DEFER): wait for both consumers' dS of it in
+    its slot, then hand the columns to the writer in chunks through the staging ring
+    (chunk c + 1's product runs while chunk c is staged), and free the slot."""
+    CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
+    slot = t % 2
+    mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
+    base = slot * CONSUMERS
+    dq = _dq_chunk(ds_smem, base, ds_smem.index(base + cid), k_smem, cid, 0, BLOCK_M, DQ_COLS,
+                   DQ_CHUNK, CONSUMERS, True, dq_layout)
+    for c in gl.static_range(CHUNKS):
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        if c + 1 == CHUNKS:
+            mbarrier.arrive(ds_free.index(slot), count=1)
+        r = t * CHUNKS + c
+        mbarrier.wait(dq_empty.index(cid * DQ_RING + r % DQ_RING), ((r // DQ_RING) & 1) ^ 1)
+        dq_smem.index(cid * DQ_RING + r % DQ_RING).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        if c + 1 < CHUNKS:
+            dq = _dq_chunk(ds_smem, base, ds_smem.index(base + cid), k_smem, cid, c + 1,
+                           BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, True, dq_layout)
+        mbarrier.arrive(dq_full.index(cid * DQ_RING + r % DQ_RING), count=1)
 
 
 @gluon.jit
@@ -240,7 +273,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -264,10 +297,16 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     keys = n0 + cid * 64 + gl.arange(0, 64, layout=row_s)
     zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     SPLIT_D: gl.constexpr = DETERMINISTIC and CONSUMERS == 2
+    DEFER: gl.constexpr = SPLIT_D and DS_BUFS == 2
+    # With 128-row query tiles the fixed order issues dP only once P is computed: Sᵀ and
+    # dPᵀ (64 registers each) are then never live together, which keeps ptxas from
+    # spilling; the free order keeps the overlap, which pays more there
+    # (benchmarks/experiments/bwd_dp_after_p.patch).
+    DP_LATE: gl.constexpr = DETERMINISTIC and BLOCK_M == 128
     DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
     # The fixed order hands its dQ columns to the writer in chunks of DQ_CHUNK (see the
     # staging buffers in the kernel); the free order stages the whole tile at once.
-    DQ_CHUNK: gl.constexpr = 32 if DETERMINISTIC else D
+    DQ_CHUNK: gl.constexpr = desc_dq.block_type.shape[3]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_CHUNK, 16])
     # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
@@ -308,9 +347,12 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             do = do_smem.index(buf)
             mbarrier.wait(q_full.index(buf), phase)
             s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf), phase)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            if DP_LATE:
+                s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
+            else:
+                mbarrier.wait(do_full.index(buf), phase)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
             if LEAN:
                 lse2 = gl.convert_layout(lse_v * LOG2E, col_s)
             if SOFTCAP:
@@ -328,6 +370,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 if MASK_RIGHT:
                     vis = vis & (keys[:, None] <= cols[None, :] + offset + right)
                 p_t = gl.where(vis, p_t, 0.0)
+            if DP_LATE:
+                mbarrier.wait(do_full.index(buf), phase)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
             if LEAN:
                 delta = gl.convert_layout(delta_v, col_s)
@@ -343,65 +388,88 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             # over all BLOCK_N keys, so the two take their turns on disjoint columns;
             # otherwise each adds its own keys' share of every column, and the consumers
             # run unsynchronised (one's exponentials overlap the other's products).
-            if SPLIT_D:
-                mbarrier.wait(ds_free, (cnt & 1) ^ 1)  # the last tile's dQ products are done
-            ds_buf.store(ds16)
-            fence_async_shared()
-            gl.thread_barrier()
-            if SPLIT_D:
-                mbarrier.arrive(ds_ready, count=1)
-                mbarrier.wait(ds_ready, cnt & 1)
-            if LEAN:  # dK and dV complete first (see LEAN); Q and dO are then free
+            if DEFER:
+                # dS goes to this tile's slot, and the dQ columns of the previous tile are
+                # computed now, once both consumers' dS of it are in: a consumer waits for
+                # the other one tile late, so the two drift apart instead of meeting at
+                # every tile, and one's exponentials overlap the other's products.
+                slot = cnt % 2
+                mbarrier.wait(ds_free.index(slot), ((cnt // 2) & 1) ^ 1)
+                ds_smem.index(slot * CONSUMERS + cid).store(ds16)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ds_ready.index(slot), count=1)
                 dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 mbarrier.arrive(do_empty.index(buf), count=1)
-            if DETERMINISTIC:
-                # This consumer's DQ_COLS columns go to the dQ writer in chunks of
-                # DQ_CHUNK through its ring of staging buffers; the writer takes the
-                # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
-                dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
-                               CONSUMERS, SPLIT_D, dq_layout)
-                if not LEAN:
-                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-                    mbarrier.arrive(q_empty.index(buf), count=1)
-                    mbarrier.arrive(do_empty.index(buf), count=1)
-                for c in gl.static_range(DQ_COLS // DQ_CHUNK):
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                    if c + 1 == DQ_COLS // DQ_CHUNK:
-                        if SPLIT_D:
-                            mbarrier.arrive(ds_free, count=1)
-                    slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
-                    lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
-                    mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
-                    dq_smem.index(cid * DQ_RING + slot).store(dq)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    if c + 1 < DQ_COLS // DQ_CHUNK:
-                        dq = _dq_chunk(ds_smem, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
-                                       DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
-                    mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
+                if cnt > 0:
+                    _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
+                              dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
+                              DQ_RING, dq_layout)
             else:
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
-                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                if LEAN:
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                else:
-                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-                    mbarrier.arrive(q_empty.index(buf), count=1)
-                    mbarrier.arrive(do_empty.index(buf), count=1)
-                # Through shared memory as one bulk reduction; the previous one must have
-                # finished reading the buffer first.
-                dq_buf = dq_smem.index(cid)
-                tma.store_wait(0)
-                gl.thread_barrier()
-                dq_buf.store(dq)
+                if SPLIT_D:
+                    mbarrier.wait(ds_free.index(0), (cnt & 1) ^ 1)  # the last tile's dQ is done
+                ds_buf.store(ds16)
                 fence_async_shared()
                 gl.thread_barrier()
-                _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
-                                dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
-                                                    desc_dq.layout))
+                if SPLIT_D:
+                    mbarrier.arrive(ds_ready.index(0), count=1)
+                    mbarrier.wait(ds_ready.index(0), cnt & 1)
+                if LEAN:  # dK and dV complete first (see LEAN); Q and dO are then free
+                    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+                    mbarrier.arrive(q_empty.index(buf), count=1)
+                    mbarrier.arrive(do_empty.index(buf), count=1)
+                if DETERMINISTIC:
+                    # This consumer's DQ_COLS columns go to the dQ writer in chunks of
+                    # DQ_CHUNK through its ring of staging buffers; the writer takes the
+                    # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
+                    dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
+                                   CONSUMERS, SPLIT_D, dq_layout)
+                    if not LEAN:
+                        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                        mbarrier.arrive(q_empty.index(buf), count=1)
+                        mbarrier.arrive(do_empty.index(buf), count=1)
+                    for c in gl.static_range(DQ_COLS // DQ_CHUNK):
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                        if c + 1 == DQ_COLS // DQ_CHUNK:
+                            if SPLIT_D:
+                                mbarrier.arrive(ds_free.index(0), count=1)
+                        slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
+                        lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
+                        mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
+                        dq_smem.index(cid * DQ_RING + slot).store(dq)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        if c + 1 < DQ_COLS // DQ_CHUNK:
+                            dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
+                                           DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
+                        mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
+                else:
+                    dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+                                       gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                    if LEAN:
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                    else:
+                        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                        mbarrier.arrive(q_empty.index(buf), count=1)
+                        mbarrier.arrive(do_empty.index(buf), count=1)
+                    # Through shared memory as one bulk reduction; the previous one must have
+                    # finished reading the buffer first.
+                    dq_buf = dq_smem.index(cid)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    dq_buf.store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
+                                    dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
+                                                        desc_dq.layout))
             cnt += 1
+    if DEFER:
+        if cnt > 0:
+            _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
+                      dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout)
     tma.store_wait(0)
 
     rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
@@ -425,6 +493,7 @@ def _attn_bwd_hopper_kernel(
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
+    DS_BUFS: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -437,10 +506,10 @@ def _attn_bwd_hopper_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, BLOCK_M], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS * CONSUMERS, 64, BLOCK_M], ds_layout)
     # The fp32 dQ staging buffers for the TMA reduce-adds. The free order: each consumer's
     # whole tile. The fixed order: a ring of DQ_RING chunks of DQ_CHUNK columns (desc_dq's
-    # box) per consumer, as deep as shared memory allows (the host's _dq_ring), between
+    # box) per consumer, as deep as shared memory allows (the host's _dq_buffers), between
     # the consumers and the dQ writer.
     DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
@@ -451,10 +520,11 @@ def _attn_bwd_hopper_kernel(
     for i in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(ds_ready, count=CONSUMERS)
-    mbarrier.init(ds_free, count=CONSUMERS)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DS_BUFS):
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=CONSUMERS)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -468,11 +538,11 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
 
     # Partitions. The free order: the producer in the kernel's own four warps, a warpgroup
-    # per consumer. The fixed order adds a one-warp dQ writer; so that the consumers keep
-    # their registers (the producer already runs at Triton's floor of 24), consumer 0 runs
-    # in the kernel's warps and the producer and the writer share one padded warpgroup at
-    # 24 registers each. Written out per case: Triton 3.6 traces the partition lists as
-    # literals.
+    # per consumer. The fixed order adds a one-warp dQ writer per consumer; so that the
+    # consumers keep their registers (the producer already runs at Triton's floor of 24),
+    # consumer 0 runs in the kernel's warps and the producer and the writers share one
+    # padded warpgroup at 24 registers each. Written out per case: Triton 3.6 traces the
+    # partition lists as literals.
     if DETERMINISTIC:
         if CONSUMERS == 2:
             gl.warp_specialize([
@@ -483,7 +553,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
@@ -491,15 +561,18 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
-                (_bwd_dq_writer, (desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
-                                  offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D, ORDER,
-                                  MASK_LEFT, MASK_RIGHT, DQ_RING)),
-            ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+                (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
+                (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
+            ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
                 (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
@@ -509,14 +582,14 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
-                (_bwd_dq_writer, (desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
-                                  offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D, ORDER,
-                                  MASK_LEFT, MASK_RIGHT, DQ_RING)),
+                (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -531,7 +604,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
@@ -539,7 +612,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -554,7 +627,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -563,17 +636,34 @@ def _attn_bwd_hopper_kernel(
 DQ_CHUNK = 32  # the fixed order's dQ columns per staging buffer (128 bytes of fp32: a swizzle row)
 
 
-def _dq_ring(c: BwdConfig, d: int, deterministic: bool) -> int:
-    """Staging buffers per consumer between the consumers and the fixed order's dQ writer:
-    enough for two query tiles' chunks where shared memory has room beside the rest of
-    ``c``'s buffers, and never fewer than one (what the feasibility formula counts on)."""
+# Whether the fixed order with two consumers computes each tile's dQ columns one tile late,
+# from a second dS slot, where shared memory has room for it (see _dq_stage).
+DEFER_DQ = True
+
+
+def _dq_buffers(c: BwdConfig, d: int, deterministic: bool, masked: bool = False,
+                ) -> tuple[int, int]:
+    """(DQ_RING, DS_BUFS) for ``c``: the staging buffers per consumer between the
+    consumers and the fixed order's dQ writer (enough for two query tiles' chunks where
+    shared memory has room beside the rest of ``c``'s buffers, and never fewer than one,
+    which is what the feasibility formula counts on), and the dS slots: two, for the
+    deferred dQ of two consumers in the fixed order, where they fit beside that ring.
+
+    Not with 64-row query tiles under a mask: there the deferral measured 3% slower at
+    D=128 (H100, three causal shapes; BENCHMARKS.md, issue 13, session 28), since a later
+    dQ hand-off also holds up the next key tile's turn, and masked walks are short."""
     if not deterministic:
-        return 1
+        return 1, 1
     consumers = c.hopper_block_n // ROWS_PER_WG
     chunks = d // consumers // DQ_CHUNK
     entry = consumers * c.hopper_block_m * DQ_CHUNK * 4
-    room = (DEFAULT_SMEM_BYTES - smem_bwd_hopper(c, d, True)) // entry
-    return max(1, min(2 * chunks, room))
+    base = smem_bwd_hopper(c, d, True)
+    ring = max(1, min(2 * chunks, (DEFAULT_SMEM_BYTES - base) // entry))
+    second_ds = 2 * c.hopper_block_n * c.hopper_block_m  # one more dS tile per consumer
+    defer = DEFER_DQ and consumers == 2 and not (masked and c.hopper_block_m == 64)
+    if defer and base + second_ds + ring * entry <= DEFAULT_SMEM_BYTES:
+        return ring, 2
+    return ring, 1
 
 
 def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -617,7 +707,7 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
     descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
              _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, DQ_CHUNK if deterministic else d))
-    ring = _dq_ring(c, d, deterministic)
+    ring, ds_bufs = _dq_buffers(c, d, deterministic, mask_left or mask_right)
 
     def launch() -> None:
         _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
@@ -632,7 +722,7 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
             ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
             DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, DQ_RING=ring,
-            num_warps=4,
+            DS_BUFS=ds_bufs, num_warps=4,
         )
         # dS carried the softmax scale: the cast scales by 1.
         _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](

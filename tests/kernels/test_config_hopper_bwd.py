@@ -71,13 +71,13 @@ def test_deterministic_runs_need_no_dq_staging(on_hopper: None) -> None:
 def test_fixed_order_dq_ring_fits_beside_every_feasible_config(on_hopper: None,
                                                                 head_dim: int) -> None:
     """The fixed order's staging ring (one chunk per consumer at least, two query tiles'
-    chunks at most) fits in shared memory beside the rest of every feasible config; the
-    free order has no ring."""
-    from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _dq_ring
+    chunks at most) and, where the deferred dQ takes it, the second dS slot fit in shared
+    memory beside the rest of every feasible config; the free order has neither."""
+    from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _dq_buffers
     from flashtune.kernels.config import DEFAULT_SMEM_BYTES, is_feasible
 
     p = dataclasses.replace(P, head_dim=head_dim, deterministic=True)
-    depths = set()
+    depths, slots = set(), set()
     for m in (64, 128):
         for n in (64, 128):
             for stages in (1, 2, 3, 4):
@@ -86,14 +86,23 @@ def test_fixed_order_dq_ring_fits_beside_every_feasible_config(on_hopper: None,
                 if not is_feasible(c, p)[0]:
                     continue
                 consumers = n // 64
-                ring = _dq_ring(c, head_dim, True)
-                chunks = head_dim // consumers // DQ_CHUNK
-                assert 1 <= ring <= 2 * chunks, (c, ring)
-                staged = consumers * ring * m * DQ_CHUNK * 4
-                assert smem_bwd_hopper(c, head_dim, True) + staged <= DEFAULT_SMEM_BYTES, c
-                assert _dq_ring(c, head_dim, False) == 1
-                depths.add(ring)
+                for masked in (False, True):
+                    ring, ds_bufs = _dq_buffers(c, head_dim, True, masked)
+                    chunks = head_dim // consumers // DQ_CHUNK
+                    assert 1 <= ring <= 2 * chunks, (c, ring)
+                    staged = consumers * ring * m * DQ_CHUNK * 4
+                    second_ds = (ds_bufs - 1) * 2 * n * m
+                    assert (smem_bwd_hopper(c, head_dim, True) + staged + second_ds
+                            <= DEFAULT_SMEM_BYTES), c
+                    # Two slots only for two consumers, and not for 64-row tiles under a mask.
+                    assert ds_bufs in (1, 2)
+                    if consumers == 1 or (masked and m == 64):
+                        assert ds_bufs == 1, (c, masked)
+                    assert _dq_buffers(c, head_dim, False, masked) == (1, 1)
+                    depths.add(ring)
+                    slots.add(ds_bufs)
     assert min(depths) == 1 and len(depths) > 1  # four stages leave room for one chunk only
+    assert slots == {1, 2}
 
 
 def test_portable_config_rejects_hopper_knobs() -> None:
