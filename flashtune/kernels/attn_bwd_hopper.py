@@ -30,8 +30,13 @@ which both need each other's dS, are not held in step at every tile. dK and dV n
 race: one program owns each key tile, and GQA heads are summed in order.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
-rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. Rows past a
-sequence's end come back from TMA as zeros; their LSE reads as +inf (P = 0).
+rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. The producer
+loads each query tile's LSE and Δ with its Q and dO, into the same stage (``STAGE_LSE``,
+where shared memory has room and Sq % 4 == 0, so that TMA can describe the rows; else the
+consumers load them from global memory): read in the consumers' own layout, they cost no
+layout conversion through shared memory and no load latency in the consumers, which
+ncu's stall sampling put at about 15% of a consumer's samples (H100, session 29). Rows past
+a sequence's end come back from TMA as zeros and are masked.
 
 This module imports Gluon's Hopper API at import time: import it only where
 ``flashtune.kernels.config.hopper_support()`` says the variant can run.
@@ -40,6 +45,7 @@ This module imports Gluon's Hopper API at import time: import it only where
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
@@ -74,12 +81,12 @@ LOG2E = gl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log LSE -> log2 d
 
 
 @gluon.jit
-def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
-                  kv_ready, q_full, q_empty, do_full, do_empty,
+def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
+                  v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty,
                   heads_kv, seq_q, offset, left, right, n_m,
                   GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, ORDER: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     D: gl.constexpr = desc_q.block_type.shape[3]
     pid_n = _key_tile(ORDER)
@@ -96,24 +103,36 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
     # Query tiles that see this key tile (roles swapped: offset -> -offset, left <-> right).
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
+    # LSE and Δ: BLOCK_M fp32 values of row b * Hq + h of the (B*Hq, Sq) arrays; TMA reads
+    # the columns past Sq as zeros (P is masked there; dO's zero rows make dS zero).
+    ROW_BYTES: gl.constexpr = 4 * BLOCK_M if STAGE_LSE else 0
     cnt = 0
     for g in range(GQA):
         h = hk * GQA + g
+        bh = b * (heads_kv * GQA) + h
         for it in range((hi - lo) // BLOCK_M):
             start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
             buf = cnt % STAGES
             phase = ((cnt // STAGES) & 1) ^ 1
             mbarrier.wait(q_empty.index(buf), phase)
-            mbarrier.expect(q_full.index(buf), desc_q.block_type.nbytes)
+            mbarrier.expect(q_full.index(buf), desc_q.block_type.nbytes + ROW_BYTES)
             q_dst = q_smem.index(buf)._reinterpret(desc_q.dtype, [1, 1, BLOCK_M, D],
                                                    desc_q.layout)
             tma.async_copy_global_to_shared(desc_q, [b, h, start, 0], q_full.index(buf), q_dst)
+            if STAGE_LSE:
+                lse_dst = lse_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M], LSE.layout)
+                tma.async_copy_global_to_shared(LSE, [bh, start], q_full.index(buf), lse_dst)
             mbarrier.wait(do_empty.index(buf), phase)
-            mbarrier.expect(do_full.index(buf), desc_do.block_type.nbytes)
+            mbarrier.expect(do_full.index(buf), desc_do.block_type.nbytes + ROW_BYTES)
             do_dst = do_smem.index(buf)._reinterpret(desc_do.dtype, [1, 1, BLOCK_M, D],
                                                      desc_do.layout)
             tma.async_copy_global_to_shared(desc_do, [b, h, start, 0], do_full.index(buf),
                                             do_dst)
+            if STAGE_LSE:
+                delta_dst = delta_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M],
+                                                               Delta.layout)
+                tma.async_copy_global_to_shared(Delta, [bh, start], do_full.index(buf),
+                                                delta_dst)
             cnt += 1
 
 
@@ -265,15 +284,16 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
 
 @gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                  kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
-                  dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
+                  lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready,
+                  ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
                   sm_scale, qk_scale, cap_scale, cap_log2,
                   GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
+                  STAGE_LSE: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -310,8 +330,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_CHUNK, 16])
     # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
-    # LSE and Δ wait in a layout of one value per thread until the line that reads them,
-    # and dK and dV complete before dQ's product is issued. With all three accumulators,
+    # LSE and Δ are read only at the line that uses them (staged: from shared memory;
+    # otherwise they wait in a layout of one value per thread until then), and dK and dV
+    # complete before dQ's product is issued. With all three accumulators,
     # both register operands and 32 registers of LSE and Δ live at once, ptxas runs out
     # of registers there and serializes every wgmma of the loop; at D=64 with 64-row
     # tiles nothing spills, and the overlap is worth more (benchmarks/experiments/
@@ -333,7 +354,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
             buf = cnt % STAGES
             phase = (cnt // STAGES) & 1
-            if LEAN:
+            if STAGE_LSE:
+                pass  # LSE and Δ come with the stage (see the producer)
+            elif LEAN:
                 rows_v = start + gl.arange(0, BLOCK_M, layout=vec_layout)
                 lse_v = gl.load(LSE + bh * seq_q + rows_v, mask=rows_v < seq_q,
                                 other=float("inf"))
@@ -347,13 +370,18 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             do = do_smem.index(buf)
             mbarrier.wait(q_full.index(buf), phase)
             s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if STAGE_LSE and not LEAN:  # read while the product runs
+                lse2 = lse_smem.index(buf).load(col_s) * LOG2E
             if DP_LATE:
                 s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
             else:
                 mbarrier.wait(do_full.index(buf), phase)
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            if LEAN:
+            if STAGE_LSE:
+                if LEAN:  # read once Sᵀ is in: no room for it beside the products
+                    lse2 = lse_smem.index(buf).load(col_s) * LOG2E
+            elif LEAN:
                 lse2 = gl.convert_layout(lse_v * LOG2E, col_s)
             if SOFTCAP:
                 t = _tanh(s_t * cap_scale)
@@ -374,7 +402,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 mbarrier.wait(do_full.index(buf), phase)
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-            if LEAN:
+            if STAGE_LSE:
+                delta = delta_smem.index(buf).load(col_s)
+            elif LEAN:
                 delta = gl.convert_layout(delta_v, col_s)
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
@@ -493,7 +523,7 @@ def _attn_bwd_hopper_kernel(
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
-    DS_BUFS: gl.constexpr,
+    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -507,9 +537,17 @@ def _attn_bwd_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS * CONSUMERS, 64, BLOCK_M], ds_layout)
+    # With STAGE_LSE, LSE and Δ (fp32 rows, read through rank-1 descriptors) come with each
+    # stage's Q and dO; otherwise the consumers load them, and these are placeholders.
+    ROW_STAGES: gl.constexpr = STAGES if STAGE_LSE else 1
+    ROW_LEN: gl.constexpr = BLOCK_M if STAGE_LSE else 16
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                    rank=1)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [ROW_STAGES, ROW_LEN], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [ROW_STAGES, ROW_LEN], row_layout)
     # The fp32 dQ staging buffers for the TMA reduce-adds. The free order: each consumer's
     # whole tile. The fixed order: a ring of DQ_RING chunks of DQ_CHUNK columns (desc_dq's
-    # box) per consumer, as deep as shared memory allows (the host's _dq_buffers), between
+    # box) per consumer, as deep as shared memory allows (the host's _smem_plan), between
     # the consumers and the dQ writer.
     DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
@@ -546,26 +584,30 @@ def _attn_bwd_hopper_kernel(
     if DETERMINISTIC:
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                                 delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
-                (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                                 delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
-                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
+                                 k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
-                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                                 STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
@@ -575,59 +617,69 @@ def _attn_bwd_hopper_kernel(
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
-                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                                 delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                                  D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS)),
-                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
+                                 k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
-                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
+                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                                 STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
+                             k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
-                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
-            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                             STAGE_LSE)),
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS)),
-            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+            (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
+                             k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
-                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT)),
-            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                             STAGE_LSE)),
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -641,29 +693,54 @@ DQ_CHUNK = 32  # the fixed order's dQ columns per staging buffer (128 bytes of f
 DEFER_DQ = True
 
 
-def _dq_buffers(c: BwdConfig, d: int, deterministic: bool, masked: bool = False,
-                ) -> tuple[int, int]:
-    """(DQ_RING, DS_BUFS) for ``c``: the staging buffers per consumer between the
-    consumers and the fixed order's dQ writer (enough for two query tiles' chunks where
-    shared memory has room beside the rest of ``c``'s buffers, and never fewer than one,
-    which is what the feasibility formula counts on), and the dS slots: two, for the
-    deferred dQ of two consumers in the fixed order, where they fit beside that ring.
+# Whether the producer stages LSE and Δ with each Q/dO stage, where shared memory has room
+# (see _smem_plan); otherwise the consumers load them from global memory.
+STAGE_LSE = True
 
-    Not with 64-row query tiles under a mask: there the deferral measured 3% slower at
+
+class SmemPlan(NamedTuple):
+    """What ``c``'s launch adds to the buffers the feasibility formula counts."""
+
+    dq_ring: int  # the fixed order's staging chunks per consumer (1 in the free order)
+    ds_bufs: int  # dS slots: 2 for the deferred dQ
+    stage_lse: bool  # LSE and Δ come through shared memory with each stage
+
+
+def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) -> SmemPlan:
+    """How ``c`` spends the shared memory its feasibility formula leaves free, in order:
+    - the LSE and Δ rows of every stage (``4 * BLOCK_M`` bytes each), where they fit
+      beside what must be there (in the fixed order, one staging chunk per consumer);
+    - the fixed order's staging ring between the consumers and the dQ writers: two query
+      tiles' chunks where there is room, never fewer than one (the formula counts on that);
+    - a second dS slot, for the deferred dQ of two consumers in the fixed order.
+
+    Not the deferral with 64-row query tiles under a mask: there it measured 3% slower at
     D=128 (H100, three causal shapes; BENCHMARKS.md, issue 13, session 28), since a later
     dQ hand-off also holds up the next key tile's turn, and masked walks are short."""
+    base = smem_bwd_hopper(c, d, deterministic)
+    rows = 2 * c.hopper_stages * c.hopper_block_m * 4
     if not deterministic:
-        return 1, 1
+        return SmemPlan(1, 1, STAGE_LSE and base + rows <= DEFAULT_SMEM_BYTES)
     consumers = c.hopper_block_n // ROWS_PER_WG
     chunks = d // consumers // DQ_CHUNK
     entry = consumers * c.hopper_block_m * DQ_CHUNK * 4
-    base = smem_bwd_hopper(c, d, True)
+    stage_lse = STAGE_LSE and base + rows + entry <= DEFAULT_SMEM_BYTES
+    if stage_lse:
+        base += rows
     ring = max(1, min(2 * chunks, (DEFAULT_SMEM_BYTES - base) // entry))
     second_ds = 2 * c.hopper_block_n * c.hopper_block_m  # one more dS tile per consumer
     defer = DEFER_DQ and consumers == 2 and not (masked and c.hopper_block_m == 64)
     if defer and base + second_ds + ring * entry <= DEFAULT_SMEM_BYTES:
-        return ring, 2
-    return ring, 1
+        return SmemPlan(ring, 2, stage_lse)
+    return SmemPlan(ring, 1, stage_lse)
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over the fp32 LSE or Δ of shape (B, Hq, Sq) as (B*Hq, Sq), box
+    ``rows`` values of one row (its stride must be a multiple of 16 bytes: Sq % 4 == 0)."""
+    sq = t.shape[-1]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t, [t.numel() // sq, sq], [sq, 1], [1, rows], layout)
 
 
 def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -707,7 +784,10 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
     descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
              _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, DQ_CHUNK if deterministic else d))
-    ring, ds_bufs = _dq_buffers(c, d, deterministic, mask_left or mask_right)
+    plan = _smem_plan(c, d, deterministic, mask_left or mask_right)
+    # LSE and Δ through shared memory where there is room and TMA can describe them.
+    stage_lse = plan.stage_lse and sq % 4 == 0
+    rows = (_row_descriptor(lse, m), _row_descriptor(delta, m)) if stage_lse else (lse, delta)
 
     def launch() -> None:
         _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
@@ -716,13 +796,13 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         if deterministic:
             sem.zero_()
         _attn_bwd_hopper_kernel[(n_n, b * hk)](
-            *descs[:4], lse, delta, descs[4], dk, dv, sem,
+            *descs[:4], *rows, descs[4], dk, dv, sem,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
             GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
             ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
-            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, DQ_RING=ring,
-            DS_BUFS=ds_bufs, num_warps=4,
+            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring,
+            DS_BUFS=plan.ds_bufs, STAGE_LSE=stage_lse, num_warps=4,
         )
         # dS carried the softmax scale: the cast scales by 1.
         _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](

@@ -68,41 +68,56 @@ def test_deterministic_runs_need_no_dq_staging(on_hopper: None) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fixed_order_dq_ring_fits_beside_every_feasible_config(on_hopper: None,
-                                                                head_dim: int) -> None:
-    """The fixed order's staging ring (one chunk per consumer at least, two query tiles'
-    chunks at most) and, where the deferred dQ takes it, the second dS slot fit in shared
-    memory beside the rest of every feasible config; the free order has neither."""
-    from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _dq_buffers
+def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_dim: int) -> None:
+    """What the launch adds to the buffers the feasibility formula counts fits in shared
+    memory for every feasible config, in both orders: the staged LSE and Δ rows, the fixed
+    order's staging ring (one chunk per consumer at least, two query tiles' chunks at
+    most) and, where the deferred dQ takes it, the second dS slot. The rows are staged
+    for the configs the tuner picks (two stages) and given up where they do not fit."""
+    from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _smem_plan
     from flashtune.kernels.config import DEFAULT_SMEM_BYTES, is_feasible
 
-    p = dataclasses.replace(P, head_dim=head_dim, deterministic=True)
-    depths, slots = set(), set()
-    for m in (64, 128):
-        for n in (64, 128):
-            for stages in (1, 2, 3, 4):
-                c = dataclasses.replace(HOP, hopper_block_m=m, hopper_block_n=n,
-                                        hopper_stages=stages)
-                if not is_feasible(c, p)[0]:
-                    continue
-                consumers = n // 64
-                for masked in (False, True):
-                    ring, ds_bufs = _dq_buffers(c, head_dim, True, masked)
-                    chunks = head_dim // consumers // DQ_CHUNK
-                    assert 1 <= ring <= 2 * chunks, (c, ring)
-                    staged = consumers * ring * m * DQ_CHUNK * 4
-                    second_ds = (ds_bufs - 1) * 2 * n * m
-                    assert (smem_bwd_hopper(c, head_dim, True) + staged + second_ds
-                            <= DEFAULT_SMEM_BYTES), c
-                    # Two slots only for two consumers, and not for 64-row tiles under a mask.
-                    assert ds_bufs in (1, 2)
-                    if consumers == 1 or (masked and m == 64):
-                        assert ds_bufs == 1, (c, masked)
-                    assert _dq_buffers(c, head_dim, False, masked) == (1, 1)
-                    depths.add(ring)
-                    slots.add(ds_bufs)
+    depths, slots, staged_rows = set(), set(), set()
+    for det in (True, False):
+        p = dataclasses.replace(P, head_dim=head_dim, deterministic=det)
+        for m in (64, 128):
+            for n in (64, 128):
+                for stages in (1, 2, 3, 4):
+                    c = dataclasses.replace(HOP, hopper_block_m=m, hopper_block_n=n,
+                                            hopper_stages=stages)
+                    if not is_feasible(c, p)[0]:
+                        continue
+                    consumers = n // 64
+                    for masked in (False, True):
+                        plan = _smem_plan(c, head_dim, det, masked)
+                        rows = 2 * stages * m * 4 if plan.stage_lse else 0
+                        if not det:
+                            assert (plan.dq_ring, plan.ds_bufs) == (1, 1)
+                            assert smem_bwd_hopper(c, head_dim, False) + rows \
+                                <= DEFAULT_SMEM_BYTES, c
+                            staged_rows.add((det, plan.stage_lse))
+                            continue
+                        chunks = head_dim // consumers // DQ_CHUNK
+                        assert 1 <= plan.dq_ring <= 2 * chunks, (c, plan)
+                        staged = consumers * plan.dq_ring * m * DQ_CHUNK * 4
+                        second_ds = (plan.ds_bufs - 1) * 2 * n * m
+                        assert (smem_bwd_hopper(c, head_dim, True) + rows + staged + second_ds
+                                <= DEFAULT_SMEM_BYTES), (c, plan)
+                        # Two slots only for two consumers, not for 64-row tiles under a mask.
+                        assert plan.ds_bufs in (1, 2)
+                        if consumers == 1 or (masked and m == 64):
+                            assert plan.ds_bufs == 1, (c, masked)
+                        if stages == 2:
+                            assert plan.stage_lse, c
+                        depths.add(plan.dq_ring)
+                        slots.add(plan.ds_bufs)
+                        staged_rows.add((det, plan.stage_lse))
     assert min(depths) == 1 and len(depths) > 1  # four stages leave room for one chunk only
     assert slots == {1, 2}
+    # At head dim 64 the configs at the shared-memory limit (128-row tiles, three and four
+    # stages) give the rows up, in both orders; at 128 every feasible config stages them.
+    assert staged_rows == ({(True, True), (True, False), (False, True), (False, False)}
+                           if head_dim == 64 else {(True, True), (False, True)})
 
 
 def test_portable_config_rejects_hopper_knobs() -> None:
