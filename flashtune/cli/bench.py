@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -56,26 +57,23 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
 
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
-                progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
-    from flashtune.timing import three_timings
+                progress: Callable[[str], None],
+                ) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """(rows, errors, interrupted). A SIGINT or SIGTERM (under
+    :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
+    timings: the shapes measured whole are kept, the one in hand is dropped."""
+    from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
-        impls, info = _impls(p, table, interpreter)
-        timings: dict[str, dict[str, Any]] = {}
-        for name, fn in impls.items():
-            try:
-                with warnings.catch_warnings():
-                    # SDPA explains at length why a forced backend cannot run a shape; the
-                    # error below says it in one line.
-                    warnings.simplefilter("ignore", UserWarning)
-                    timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
-            except Exception as e:  # an anchor that cannot run this shape is left out
-                errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]}")
+        try:
+            timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors)
+            check_interrupted()  # an interrupt lost in a callback still stops here
+        except KeyboardInterrupt:
+            return rows, errors, True
         for kind in ("fwd", "bwd", "infer"):
             flops = p.flops("bwd" if kind == "bwd" else "fwd")
             tf = {n: t[kind].tflops(flops) for n, t in timings.items()}
@@ -83,7 +81,30 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
             rows.append({"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
                          "tflops": tf, "ms": ms, "ratios": _ratios(tf),
                          "tuned_directions": info["tuned"], "tuned_layers": info["layers"]})
-    return rows, errors
+    return rows, errors, False
+
+
+def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
+                errors: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every implementation's three timings of ``p``; one that cannot run it is left out,
+    with its reason in ``errors``."""
+    from flashtune.autotune.sweep import check_interrupted
+    from flashtune.timing import three_timings
+
+    impls, info = _impls(p, table, interpreter)
+    timings: dict[str, dict[str, Any]] = {}
+    for name, fn in impls.items():
+        check_interrupted()
+        try:
+            with warnings.catch_warnings():
+                # SDPA explains at length why a forced backend cannot run a shape; the
+                # error below says it in one line.
+                warnings.simplefilter("ignore", UserWarning)
+                timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
+        except Exception as e:  # an anchor that cannot run this shape is left out
+            errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}")
+    return timings, info
 
 
 def _ratios(tf: dict[str, float]) -> dict[str, float]:
@@ -106,10 +127,13 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
     inference forward, all timed in this process; ratios are ours over each other.
+    Interrupted (Ctrl-C, SIGTERM), it reports the shapes measured so far, marked as
+    interrupted, and exits with 130 / 143.
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
     from flashtune._env import database_url
+    from flashtune.autotune.sweep import interrupt_on_sigterm, interrupted_status
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.dispatch._table import load_table
     from flashtune.timing import geomean
@@ -122,7 +146,17 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         if table.error is not None:
             raise click.ClickException(f"cannot use the tuning database: {table.error}")
         quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
-        rows, errors = _bench_rows(problems, table, interpreter, rep_ms, quiet)
+        restore = interrupt_on_sigterm()
+        try:
+            rows, errors, interrupted = _bench_rows(problems, table, interpreter, rep_ms, quiet)
+        finally:
+            restore()
+    done = len(rows) // 3  # three timings (rows) per shape measured
+    if interrupted:
+        click.echo(f"interrupted: {done} of {len(problems)} shapes measured; the results "
+                   f"below are theirs", err=True)
+        if not rows:
+            sys.exit(interrupted_status())
     if not any(row["tflops"] for row in rows):
         for e in errors[:20]:
             click.echo(f"failed {e}", err=True)
@@ -139,16 +173,19 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
             "device": device_info().as_dict(), "software": software_info().as_dict(),
             "interpreter": interpreter,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "rows": rows, "geomean_ratios": summary, "errors": errors},
+            "rows": rows, "geomean_ratios": summary, "errors": errors,
+            "shapes": {"measured": done, "total": len(problems)}, "interrupted": interrupted},
             indent=2, sort_keys=True, default=str))
-        return
-    console().print(_bench_table(rows, interpreter))
-    for kind, r in summary.items():
-        shown = "  ".join(f"{n} {v:.2f}x" for n, v in r.items() if v == v)
-        if shown:
-            click.echo(f"geomean {kind}: {shown}")
-    for e in errors:
-        click.echo(f"skipped {e}", err=True)
+    else:
+        console().print(_bench_table(rows, interpreter))
+        for kind, r in summary.items():
+            shown = "  ".join(f"{n} {v:.2f}x" for n, v in r.items() if v == v)
+            if shown:
+                click.echo(f"geomean {kind}: {shown}")
+        for e in errors:
+            click.echo(f"skipped {e}", err=True)
+    if interrupted:
+        sys.exit(interrupted_status())
 
 
 _IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")

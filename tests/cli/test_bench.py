@@ -125,3 +125,68 @@ def test_bench_fails_when_nothing_could_be_measured(tmp_path: Path, monkeypatch)
                                     "--db", str(tmp_path / "none.db")])
     assert res.exit_code == 1 and "every implementation failed" in res.stderr
     assert "Traceback" not in res.output
+
+
+def test_bench_sigterm_keeps_the_shapes_measured_whole(tmp_path: Path, monkeypatch) -> None:
+    """A SIGTERM (a job scheduler's, ``timeout``'s) during the second shape's timings: the
+    first shape's rows come out as JSON, marked as interrupted, the shape in hand is
+    dropped, and the exit status is 143, without a traceback."""
+    import os
+    import signal
+
+    import flashtune.timing
+
+    real = flashtune.timing.three_timings
+    seen: list[int] = []
+
+    def timed(fn, p, dev, **kw):
+        seen.append(p.seqlen_q)
+        if p.seqlen_q == 48:  # the second shape: a real signal, through the real handler
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(fn, p, dev, **kw)
+
+    monkeypatch.setattr(flashtune.timing, "three_timings", timed)
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(TINY + [dict(TINY[0], seqlen=48), dict(TINY[0], seqlen=80)]))
+    def unhandled(signum, frame):  # what runs if the bench installed no handler of its own
+        raise RuntimeError("the bench did not handle SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--shapes",
+                                        str(shapes), "--db", str(tmp_path / "none.db")])
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert res.exit_code == 143, res.output
+    assert "Traceback" not in res.output
+    assert "interrupted: 1 of 3 shapes measured" in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["interrupted"] is True and doc["shapes"] == {"measured": 1, "total": 3}
+    assert {r["problem"]["seqlen_q"] for r in doc["rows"]} == {64}
+    assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
+    assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
+    assert 80 not in seen  # nothing ran after the signal
+    assert after is unhandled  # the bench put the previous handler back
+
+
+def test_bench_sigterm_before_any_shape_measured_exits_143(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import signal
+
+    import flashtune.timing
+
+    def timed(fn, p, dev, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the bench")
+
+    monkeypatch.setattr(flashtune.timing, "three_timings", timed)
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # never the default: it kills
+    try:
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", _shapes(tmp_path),
+                                        "--db", str(tmp_path / "none.db")])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert res.exit_code == 143, res.output
+    assert "interrupted: 0 of 1 shapes measured" in res.stderr
+    assert "Traceback" not in res.output
