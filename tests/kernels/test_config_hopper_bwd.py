@@ -95,6 +95,8 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
                             assert (plan.dq_ring, plan.ds_bufs) == (1, 1)
                             assert smem_bwd_hopper(c, head_dim, False) + rows \
                                 <= DEFAULT_SMEM_BYTES, c
+                            if stages == 2:
+                                assert plan.stage_lse, c
                             staged_rows.add((det, plan.stage_lse))
                             continue
                         chunks = head_dim // consumers // DQ_CHUNK
