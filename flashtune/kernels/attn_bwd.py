@@ -570,10 +570,13 @@ class BwdLaunch:
     """The backward for one call signature (shapes and strides of q, k, v, o and dO, dtype,
     device, flags, config), prepared once. The deterministic portable variants (two
     kernels, one launch, fused) are prepared down to their bound kernels: grids, scalars
-    and constexprs fixed, launched through the compiled kernels. The atomic and Hopper
-    variants prepare their launches per call through :func:`bwd_steps`. Built from tensors
-    whose data are 16-byte aligned, it serves every call of that signature whose data are
-    too. ``packed``: a varlen batch, as for :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
+    and constexprs fixed, launched through the compiled kernels; the Hopper variant as a
+    :class:`~flashtune.kernels.attn_bwd_hopper.HopperBwdLaunch`, bound the same way. The
+    atomic variant, and the Hopper variant where TMA cannot describe the tensors (the
+    portable default serves), prepare their launches per call through :func:`bwd_steps`.
+    Built from tensors whose data are 16-byte aligned, it serves every call of that
+    signature whose data are too. ``packed``: a varlen batch, as for
+    :func:`flashtune.kernels.attn_fwd.attn_fwd`."""
 
     def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, *, causal: bool, sm_scale: float, window: tuple[int, int],
@@ -586,6 +589,16 @@ class BwdLaunch:
         self.bound = config.variant in (BWD_TWO_KERNEL, *BWD_ONE_GRID)
         self.fused = config.variant == BWD_FUSED
         self.launches: list[tuple[str, BoundLaunch]] = []
+        self.hopper: Any = None
+        if config.variant == BWD_HOPPER and packed is None:
+            from flashtune.kernels import attn_bwd_hopper as hopper
+            from flashtune.kernels.attn_fwd_hopper import tma_describable
+
+            if not tma_describable(q, k, v, do):  # else bwd_steps serves the portable default
+                self.hopper = hopper.HopperBwdLaunch(
+                    do, q, k, v, o, sm_scale=sm_scale, mask=mask_params(causal, window),
+                    scales=score_scales(sm_scale, softcap), softcap=softcap, config=config,
+                    deterministic=deterministic)
         if not self.bound:
             return
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
@@ -599,6 +612,11 @@ class BwdLaunch:
               cu_k: torch.Tensor | None = None,
               ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[BwdStep]]:
         """The (dq, dk, dv) buffers and the launches that fill them, in order."""
+        if self.hopper is not None:
+            bufs = self.hopper.buffers(q, k, v, lse)
+            hopper = self.hopper
+            return (bufs[0], bufs[1], bufs[2]), [
+                (HOPPER_PART, lambda: hopper.run(do, q, k, v, o, bufs))]
         if not self.bound:
             packed = None if cu_q is None or self.maxlen is None \
                 else Packed(cu_q, cu_k, *self.maxlen)
@@ -618,6 +636,8 @@ class BwdLaunch:
                  cu_k: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Launch the backward (as :meth:`steps`, without the closures); (dq, dk, dv)."""
+        if self.hopper is not None:
+            return self.hopper(do, q, k, v, o, lse)
         if not self.bound:
             grads, steps = self.steps(do, q, k, v, o, lse, cu_q, cu_k)
             for _, launch in steps:

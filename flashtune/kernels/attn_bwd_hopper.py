@@ -39,13 +39,12 @@ ncu's stall sampling put at about 15% of a consumer's samples (H100, session 29)
 a sequence's end come back from TMA as zeros and are masked.
 
 This module imports Gluon's Hopper API at import time: import it only where
-``flashtune.kernels.config.hopper_support()`` says the variant can run.
-"""
+``flashtune.kernels.config.hopper_support()`` says the variant can run."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -62,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
 from flashtune.kernels.config import DEFAULT_SMEM_BYTES, BwdConfig, smem_bwd_hopper
@@ -537,8 +537,8 @@ def _attn_bwd_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS * CONSUMERS, 64, BLOCK_M], ds_layout)
-    # With STAGE_LSE, LSE and Δ (fp32 rows, read through rank-1 descriptors) come with each
-    # stage's Q and dO; otherwise the consumers load them, and these are placeholders.
+    # With STAGE_LSE, LSE and Δ (fp32 rows, TMA-loaded through (B*Hq, Sq) descriptors into
+    # rank-1 buffers) come with each stage's Q and dO; else the consumers load them (unused).
     ROW_STAGES: gl.constexpr = STAGES if STAGE_LSE else 1
     ROW_LEN: gl.constexpr = BLOCK_M if STAGE_LSE else 16
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
@@ -735,12 +735,128 @@ def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) 
     return SmemPlan(ring, 1, stage_lse)
 
 
-def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over the fp32 LSE or Δ of shape (B, Hq, Sq) as (B*Hq, Sq), box
-    ``rows`` values of one row (its stride must be a multiple of 16 bytes: Sq % 4 == 0)."""
-    sq = t.shape[-1]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(t, [t.numel() // sq, sq], [sq, 1], [1, rows], layout)
+def _template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              block: list[int], layout: Any) -> Any:
+    """A descriptor template (``_bound.template``) over a contiguous tensor of ``shape`` that
+    is allocated per call: the fp32 dQ accumulator, LSE and Δ."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    base = torch.empty(1, device=device, dtype=dtype)  # aligned: only its dtype is read
+    return template(TensorDescriptor(base, list(shape), strides, block, layout))
+
+
+class HopperBwdLaunch:
+    """The Gluon backward for one call signature (shapes and strides of q, k, v, o and dO,
+    dtype, device, mask, config, determinism), prepared once as ``HopperLaunch`` prepares
+    the forward: grids, scalars, constexprs, descriptor templates and three bound launches
+    (``flashtune.kernels._bound``) - the delta preprocess, which also zeroes the fp32 dQ
+    accumulator, the Gluon backward and the dQ cast. Built per call instead (plans, seven
+    descriptors, three ``kernel[grid]`` launches), it kept the GPU waiting on short
+    problems, and eager training steps timed the host (session 30, BENCHMARKS.md).
+
+    ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and ``scales`` (qk_scale, cap_scale,
+    cap_log2), as the portable launcher computes them. The caller has checked
+    feasibility and that TMA can describe q, k, v and do; tensors of the same signature
+    with 16-byte aligned data are served (:meth:`buffers`, then :meth:`run`)."""
+
+    def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, *, sm_scale: float, mask: tuple[int, int, bool, bool],
+                 scales: tuple[float, float, float], softcap: float, config: BwdConfig,
+                 deterministic: bool) -> None:
+        c = config
+        b, hq, sq, d = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        left, right, mask_left, mask_right = mask
+        qk_scale, cap_scale, cap_log2 = scales
+        m, n = c.hopper_block_m, c.hopper_block_n
+        n_m = triton.cdiv(sq, m)
+        n_n = triton.cdiv(sk, n)
+        # The order of dQ turns (see _dq_turn). A program waits only for programs launched
+        # before it, except in the cyclic order (ORDER 2), where the first programs of a
+        # head wait for its last: there every key tile of a head must be resident at once,
+        # which half the SMs guarantee with room to spare.
+        if mask_left or mask_right:
+            order = 1 if deterministic else 0
+        elif deterministic:
+            order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
+        else:
+            order = 2 if c.hopper_stagger else 0
+        consumers = n // ROWS_PER_WG
+        self.deterministic = deterministic
+        self.acc_shape = (b, hq, sq, d)
+        self.sem_shape = (b * hq, n_m, consumers)
+        plan = _smem_plan(c, d, deterministic, mask_left or mask_right)
+        # LSE and Δ through shared memory where there is room and TMA can describe them
+        # (the LSE must then be 16-byte aligned: see buffers).
+        self.stage_lse = plan.stage_lse and sq % 4 == 0
+        # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
+        dq_cols = DQ_CHUNK if deterministic else d
+        self.templates = (
+            template(_descriptor(q, m)), template(_descriptor(do, m)),
+            template(_descriptor(k, ROWS_PER_WG)), template(_descriptor(v, ROWS_PER_WG)),
+            _template(self.acc_shape, torch.float32, q.device, [1, 1, m, dq_cols],
+                      gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32)))
+        rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        self.rows = (_template((b * hq, sq), torch.float32, q.device, [1, m], rows_layout)
+                     if self.stage_lse else None)
+        self.pre = BoundLaunch(
+            _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m), b * hq),
+            [None] * 4 + [*o.stride(), *do.stride(), hq, sq],
+            dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=True), 4)
+        # dQ, dK and dV are allocated per call like q, k and v: empty_like's strides (a
+        # dense input's own, else contiguous ones).
+        dq0, dk0, dv0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dk_strides, dv_strides = [*dk0.stride()[:3]], [*dv0.stride()[:3]]
+        self.main = BoundLaunch(
+            _attn_bwd_hopper_kernel, (n_n, b * hk),
+            [None] * 10 + [*dk_strides, *dv_strides, hk, sq, sk, left, right, n_m, sm_scale,
+                           qk_scale, cap_scale, cap_log2],
+            dict(GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
+                 ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
+                 SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
+                 CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
+                 STAGE_LSE=self.stage_lse, num_warps=4), 10)
+        # dS carried the softmax scale: the cast scales by 1.
+        self.finish = BoundLaunch(
+            _attn_bwd_dq_finish, (triton.cdiv(sq, 64), b * hq),
+            [None] * 2 + [*dq0.stride(), hq, sq, 1.0],
+            dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64, num_warps=4), 2)
+
+    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                ) -> tuple[torch.Tensor, ...]:
+        """(dq, dk, dv, lse, delta, the fp32 dQ accumulator, the semaphores) for one call:
+        the LSE made contiguous (and 16-byte aligned where it is staged), the rest new."""
+        lse = lse.contiguous()
+        if self.stage_lse and lse.data_ptr() % 16:
+            lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
+        dq_acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
+        sem = (torch.empty(self.sem_shape, device=q.device, dtype=torch.int32)
+               if self.deterministic else dq_acc)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
+                torch.empty_like(lse), dq_acc, sem)
+
+    def run(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            o: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Launch the three kernels into ``bufs`` (from :meth:`buffers`)."""
+        dq, dk, dv, lse, delta, dq_acc, sem = bufs
+        tq, tdo, tk, tv, tacc = self.templates
+        self.pre(o, do, delta, dq_acc)
+        if self.deterministic:
+            sem.zero_()
+        rows = ((descriptor_like(self.rows, lse), descriptor_like(self.rows, delta))
+                if self.rows is not None else (lse, delta))
+        self.main(descriptor_like(tq, q), descriptor_like(tdo, do), descriptor_like(tk, k),
+                  descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), dk, dv, sem)
+        self.finish(dq_acc, dq)
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK and dV."""
+        bufs = self.buffers(q, k, v, lse)
+        self.run(do, q, k, v, o, bufs)
+        return bufs[0], bufs[1], bufs[2]
 
 
 def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -749,64 +865,9 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       softcap: float, config: BwdConfig, deterministic: bool,
                       ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                                  Callable[[], None]]:
-    """The (dq, dk, dv) buffers and one callable that fills them: the delta preprocess
-    (which also zeroes the fp32 dQ accumulator), the Gluon backward, and the dQ cast.
-    ``mask`` is (left, right, MASK_LEFT, MASK_RIGHT) and ``scales`` (qk_scale, cap_scale,
-    cap_log2), as the portable launcher computes them. The caller has checked feasibility
-    and that TMA can describe q, k, v and do."""
-    c = config
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    left, right, mask_left, mask_right = mask
-    qk_scale, cap_scale, cap_log2 = scales
-    lse = lse.contiguous()
-    delta = torch.empty_like(lse)
-    dq_acc = torch.empty((b, hq, sq, d), device=q.device, dtype=torch.float32)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    m, n = c.hopper_block_m, c.hopper_block_n
-    n_m = triton.cdiv(sq, m)
-    n_n = triton.cdiv(sk, n)
-    # The order of dQ turns (see _dq_turn). A program waits only for programs launched
-    # before it, except in the cyclic order (ORDER 2), where the first programs of a head
-    # wait for its last: there every key tile of a head must be resident at once, which
-    # half the SMs guarantee with room to spare.
-    if mask_left or mask_right:
-        order = 1 if deterministic else 0
-    elif deterministic:
-        order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
-    else:
-        order = 2 if c.hopper_stagger else 0
-    consumers = n // ROWS_PER_WG
-    sem = (torch.zeros((b * hq, n_m, consumers), device=q.device, dtype=torch.int32)
-           if deterministic else dq_acc)
-    # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
-    descs = (_descriptor(q, m), _descriptor(do, m), _descriptor(k, ROWS_PER_WG),
-             _descriptor(v, ROWS_PER_WG), _descriptor(dq_acc, m, DQ_CHUNK if deterministic else d))
-    plan = _smem_plan(c, d, deterministic, mask_left or mask_right)
-    # LSE and Δ through shared memory where there is room and TMA can describe them.
-    stage_lse = plan.stage_lse and sq % 4 == 0
-    rows = (_row_descriptor(lse, m), _row_descriptor(delta, m)) if stage_lse else (lse, delta)
-
-    def launch() -> None:
-        _attn_bwd_preprocess[(triton.cdiv(sq, c.pre_block_m), b * hq)](
-            o, do, delta, dq_acc, *o.stride(), *do.stride(), hq, sq,
-            HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=True)
-        if deterministic:
-            sem.zero_()
-        _attn_bwd_hopper_kernel[(n_n, b * hk)](
-            *descs[:4], *rows, descs[4], dk, dv, sem,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            hk, sq, sk, left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2,
-            GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
-            ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=softcap > 0.0,
-            DETERMINISTIC=deterministic, CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring,
-            DS_BUFS=plan.ds_bufs, STAGE_LSE=stage_lse, num_warps=4,
-        )
-        # dS carried the softmax scale: the cast scales by 1.
-        _attn_bwd_dq_finish[(triton.cdiv(sq, 64), b * hq)](
-            dq_acc, dq, *dq.stride(), hq, sq, 1.0, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64,
-            num_warps=4)
-
-    return (dq, dk, dv), launch
+    """The (dq, dk, dv) buffers and one callable that fills them (a :class:`HopperBwdLaunch`
+    with its buffers made once: what the tuner times)."""
+    launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=sm_scale, mask=mask, scales=scales,
+                             softcap=softcap, config=config, deterministic=deterministic)
+    bufs = launch.buffers(q, k, v, lse)
+    return (bufs[0], bufs[1], bufs[2]), lambda: launch.run(do, q, k, v, o, bufs)

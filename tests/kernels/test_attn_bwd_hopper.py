@@ -92,6 +92,40 @@ def _bit_identical(seed: int) -> list[str]:
     return failures
 
 
+def _bound_launches(seed: int) -> list[str]:
+    """Later calls of one signature run the prepared backward (``HopperBwdLaunch``) through
+    its bound kernels: three calls on fresh inputs each, every one against the reference,
+    and the second and third must each take the bound path for all three of the
+    backward's launches (the forward adds at most one bound launch per call)."""
+    import torch
+
+    from flashtune.kernels import _bound
+    from flashtune.problem import Problem
+
+    from .helpers import check_case
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout in (
+            (Problem(2, 8, 2, 1000, 1000, 128, "bf16", True, deterministic=True), "bhsd"),
+            (Problem(1, 4, 4, 777, 901, 64, "bf16", False, deterministic=False), "bshd"),
+            (Problem(3, 6, 3, 512, 512, 128, "fp16", False, (200, 40), deterministic=True),
+             "bshd")):
+        cfg = _hopper_bwd_configs(p, rng, 1)[-1]
+        for call in range(3):
+            before = _bound.counts["bound"]
+            try:
+                check_case(p, "cuda", bwd=cfg, layout=layout, gen=gen,
+                           deterministic=p.deterministic)
+            except AssertionError as e:
+                failures.append(f"call {call}: {e}")
+            bound = _bound.counts["bound"] - before
+            if call and bound < 3:
+                failures.append(f"{p} {cfg} call {call}: {bound} bound launches, not 3")
+    return failures
+
+
 @pytest.fixture
 def needs_hopper() -> None:
     from flashtune.kernels.config import hopper_support
@@ -102,7 +136,8 @@ def needs_hopper() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical"])
+@pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
+                                   "_bound_launches"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

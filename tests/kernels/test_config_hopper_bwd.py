@@ -196,3 +196,52 @@ def test_host_bound_calls_keep_the_portable_kernels(on_hopper: None) -> None:
                               seqlen_k=8192)
     assert default_fwd(big).variant == HOPPER
     assert default_bwd(big).variant == BWD_HOPPER
+
+
+def test_prepared_backward_fixes_the_call_signature() -> None:
+    """``HopperBwdLaunch`` (the backward prepared once per call signature, its launches
+    bound) on CPU tensors: nothing launches, but what it fixes can be read.
+
+    - The LSE and Δ rows are staged through TMA only where Sq % 4 == 0 (16-byte rows).
+    - dK, dV and dQ get empty_like's strides, which for a non-dense K (one half of a
+      packed K/V) are contiguous ones, not K's.
+    - Per call, a misaligned LSE is copied to an aligned one where the rows are staged
+      (TMA needs it), and passed on as it is where they are not."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
+
+    b, h, d = 2, 4, 64
+    cfg = dataclasses.replace(HOP, hopper_block_m=64, hopper_block_n=128, hopper_stages=2)
+
+    def prepared(sq: int, k: torch.Tensor, det: bool = True) -> HopperBwdLaunch:
+        q, do, o = (torch.randn(b, h, sq, d, dtype=torch.bfloat16) for _ in range(3))
+        v = torch.randn_like(k)
+        return HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                               scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                               deterministic=det)
+
+    kv = torch.randn(b, h, 512, 2 * d, dtype=torch.bfloat16)
+    k = kv[..., :d]  # row stride 2 * d: TMA can describe it, empty_like does not keep it
+    staged = prepared(512, k)
+    assert staged.stage_lse and staged.rows is not None
+    assert staged.rows.shape == [b * h, 512] and staged.rows.block_shape == [1, 64]
+    dense = (h * 512 * d, 512 * d, d)
+    assert tuple(staged.main.args[10:13]) == dense and k.stride()[:3] != dense
+    assert tuple(staged.main.args[13:16]) == dense  # dV, as V = randn_like(K) is dense
+    assert staged.sem_shape == (b * h, 512 // 64, 2)
+
+    lse = torch.randn(b * h * 512 + 1)[1:].view(b, h, 512)  # 4 bytes past an aligned base
+    assert lse.data_ptr() % 16
+    dq, dk, dv, lse_in, delta, dq_acc, sem = staged.buffers(*(torch.empty(b, h, 512, d),) * 3,
+                                                            lse)
+    assert lse_in.data_ptr() % 16 == 0 and torch.equal(lse_in, lse)
+    assert dq_acc.shape == (b, h, 512, d) and dq_acc.dtype == torch.float32
+    assert sem.shape == (b * h, 8, 2) and sem.dtype == torch.int32
+
+    odd = prepared(1001, torch.randn(b, h, 1001, d, dtype=torch.bfloat16), det=False)
+    assert not odd.stage_lse and odd.rows is None
+    lse_odd = torch.randn(b * h * 1001 + 1)[1:].view(b, h, 1001)
+    bufs = odd.buffers(*(torch.empty(b, h, 1001, d),) * 3, lse_odd)
+    assert bufs[3] is lse_odd  # read with masked loads: no alignment needed, no copy
+    assert bufs[6] is bufs[5]  # the free order has no semaphores
