@@ -1,0 +1,77 @@
+"""Fingerprints of the PTX every shipped backward entry compiles to, without a GPU.
+
+For a change that should not touch generated code (a host-side launcher, say): run this on
+the tree before and after, with Triton 3.6 (the GPU hosts' version) first on PYTHONPATH,
+and compare the two outputs. Equal fingerprints for every entry mean the kernels the
+entries were tuned on are the kernels that run, byte for byte (line info included), so
+their timings still hold.
+
+Each backward entry of ``flashtune/data/shipped.json`` (or ``--variant`` only) is built for
+sm_90 through ``bwd_steps`` (the tuner's launch path) on CPU tensors of the entry's own
+example shape, with the compile-only driver of ``benchmarks/probe_ptxas.py`` and 132 SMs
+(H100 SXM and H200 alike); the output maps the entry's index to the sha256 of each
+kernel's PTX.
+
+    PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
+        benchmarks/experiments/bwd_ptx_identity.py --out ptx.json [--variant 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+from probe_ptxas import BUILT_PTX, _install_compile_only
+
+_install_compile_only()
+
+import flashtune.kernels.attn_bwd_hopper as H  # noqa: E402
+from flashtune.kernels.attn_bwd import bwd_steps  # noqa: E402
+from flashtune.kernels.config import config_from_dict  # noqa: E402
+from flashtune.problem import default_scale  # noqa: E402
+
+H._sm_count = lambda index: 132
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variant", type=int, default=None)
+    ap.add_argument("--shipped", default=os.path.join("flashtune", "data", "shipped.json"))
+    args = ap.parse_args()
+    with open(args.shipped) as f:
+        entries = json.load(f)["entries"]
+    out: dict[str, dict[str, str]] = {}
+    for i, e in enumerate(entries):
+        if e["direction"] != "bwd":
+            continue
+        cfg = config_from_dict("bwd", e["config"])
+        if args.variant is not None and cfg.variant != args.variant:
+            continue
+        x = e["example"]
+        b, hq, hk, sq, sk, d = (x["batch"], x["heads_q"], x["heads_kv"], x["seqlen_q"],
+                                x["seqlen_k"], x["head_dim"])
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[x["dtype"]]
+        q, do, o = (torch.empty(b, hq, sq, d, dtype=dt) for _ in range(3))
+        k, v = (torch.empty(b, hk, sk, d, dtype=dt) for _ in range(2))
+        lse = torch.empty(b, hq, sq)
+        det = e["problem"].get("deterministic", True)
+        BUILT_PTX.clear()
+        _, steps = bwd_steps(do, q, k, v, o, lse, causal=x["causal"], sm_scale=default_scale(d),
+                             window=tuple(x["window"]), softcap=x["softcap"], config=cfg,
+                             deterministic=det)
+        for _, step in steps:
+            step()
+        out[str(i)] = {name: hashlib.sha256(ptx.encode()).hexdigest()
+                       for name, ptx in sorted(BUILT_PTX.items())}
+        print(i, e["device"]["name"], cfg.variant, f"{b}x{hq}/{hk}x{sq}x{d}",
+              "causal" if x["causal"] else "", sorted(BUILT_PTX), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
