@@ -161,12 +161,20 @@ def test_torch_compile_fullgraph_inductor_gpu(seed: int) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_replay_fwd_bwd(seed: int) -> None:
+@pytest.mark.parametrize("bwd_variant", ["default", "hopper"])
+def test_cuda_graph_capture_replay_fwd_bwd(bwd_variant: str, seed: int) -> None:
+    """Capture and replay a training step; "hopper" forces the Hopper backward (its
+    prepared launch, bound before capture by the eager warm-up, replays with new data)."""
+    from flashtune.kernels.config import BWD_HOPPER, hopper_support
+
     p = Problem(2, 8, 2, 1000, 1000, 128, "bf16", True)
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = make_qkv(p, "cuda", "bhsd", g)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    cfg = (default_fwd(p), default_bwd(p))
+    if bwd_variant == "hopper" and hopper_support():
+        pytest.skip(f"Hopper kernels cannot run here: {hopper_support()}")
+    cfg = (default_fwd(p), default_bwd(p, BWD_HOPPER) if bwd_variant == "hopper"
+           else default_bwd(p))
 
     def step() -> tuple[torch.Tensor, ...]:
         o = flash_attention(q, k, v, causal=True, config=cfg)
