@@ -72,6 +72,9 @@ class Settings:
     warm_start: bool
     shipped_seeds: bool = True
     search_timing: dict[str, Any] | None = None  # trials and confirmations; None: ``timing``
+    # A time budget stops the search only once this many candidates are measured (the
+    # tuner raises it where a stale winner seeds the search: see ``STALE_MIN_TRIALS``).
+    min_trials: int = 1
 
     @property
     def trial_timing(self) -> dict[str, Any]:
@@ -193,8 +196,11 @@ class Search:
                            "budget": self.s.trials, "best_ms": self.best,
                            "elapsed_s": time.perf_counter() - self.t_start, **ev})
 
-    def _out_of_time_or_patience(self) -> str:
-        if self.s.time_budget is not None and \
+    def _out_of_time_or_patience(self, done: int | None = None) -> str:
+        """Why the search should stop, or "". ``done``: the candidates that count towards
+        the time budget's minimum (``Settings.min_trials``; default: those measured)."""
+        done = self.measured if done is None else done
+        if self.s.time_budget is not None and done >= self.s.min_trials and \
                 time.perf_counter() - self.t_start >= self.s.time_budget:
             return "time budget"
         if self.s.patience is not None and self.since_best >= self.s.patience:
@@ -207,7 +213,8 @@ class Search:
             return False
         if not self.measured and not self.pending:
             return True  # a time budget spent on setup (a loaded machine) still measures one
-        why = self._out_of_time_or_patience()
+        # Asking ahead, the candidates queued count towards the minimum too.
+        why = self._out_of_time_or_patience(self.measured + len(self.pending))
         self.stop_reason = why or self.stop_reason
         return not why
 

@@ -198,6 +198,15 @@ class TuneSession:
         self.close()
 
 
+# A search seeded with a stale winner (after an upgrade: ``sweep --from-stale``) measures
+# at least this many candidates whatever its time budget: the stale winner and the next
+# seeds (the default, then the nearest keys' winners or the architecture's priors). Its
+# first trial alone can outlast a short budget at long sequences (1x32x16384x64's
+# backward took 7.8 s of a 6 s budget in session 29's re-ship, BENCHMARKS.md), and a
+# search of one trial only re-times the stale winner on the new software.
+STALE_MIN_TRIALS = 3
+
+
 def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, direction: str,
                   space: SearchSpace, *, shipped: bool = True,
                   n_nearest: int = 3) -> list[tuple[dict[str, Any], str]]:
@@ -327,10 +336,13 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
         "interpreter": target.session.interpret})
     picks = proposer(study, sampler)
     if s.warm_start:
-        for params, source in _seed_configs(target.storage, dev, sw, problem, direction,
-                                            s.space, shipped=s.shipped_seeds):
+        seeds = _seed_configs(target.storage, dev, sw, problem, direction, s.space,
+                              shipped=s.shipped_seeds)
+        for params, source in seeds:
             picks.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
+        if any(source == "stale" for _, source in seeds):
+            s = replace(s, min_trials=max(s.min_trials, STALE_MIN_TRIALS))
     if s.sampler == "grid":
         variants = s.space.variants(problem)
         for params in s.space.grid():

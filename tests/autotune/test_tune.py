@@ -120,6 +120,32 @@ def test_infeasible_candidates_are_pruned_with_a_reason(tmp_path) -> None:
     assert all("16 warps" in t.user_attrs["pruned_reason"] for t in pruned)
 
 
+def test_a_stale_winner_seeds_at_least_three_trials_under_a_short_budget(tmp_path) -> None:
+    """After an upgrade the stale winner seeds the search; a time budget shorter than one
+    trial then still measures three candidates (the stale winner first), where the same
+    budget without a stale winner measures one (the next test)."""
+    from flashtune.autotune.tuner import STALE_MIN_TRIALS
+    from flashtune.db.fingerprint import SoftwareInfo
+
+    db = tmp_path / "tuning.db"
+    now = software_info()
+    before = SoftwareInfo(torch=now.torch, triton="3.8.0", cuda=now.cuda,  # an older Triton
+                          kernels_hash=now.kernels_hash, ptxas=now.ptxas)
+    winner = {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1}
+    with open_storage(db) as st:
+        st.put_result(device_info(), before, TINY.key("fwd"), winner, problem=TINY,
+                      tflops=1.0, median_ms=2.0, p20_ms=2.0, p80_ms=2.0, max_error=0.0,
+                      trials=9, search_seconds=1.0)
+    r = tune(TINY, "fwd", time_budget=0.5, storage=db, retime_rounds=0)
+    assert STALE_MIN_TRIALS == 3
+    assert r.trials == STALE_MIN_TRIALS and r.stop_reason == "time budget"
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert len(measured) == STALE_MIN_TRIALS
+    assert measured[0].user_attrs["seed_source"] == "stale"
+    assert {k: measured[0].params[k] for k in winner} == winner
+
+
 def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
     db = tmp_path / "tuning.db"
     t0 = time.perf_counter()
