@@ -9,7 +9,8 @@ fingerprints of every backward entry built on the tree before and after the chan
 info and file names compare too), this rewrites ``software.kernels_hash`` from ``--old`` to
 the running tree's hash on the backward entries only, and only if:
 
-- both fingerprint files cover every backward entry of the export and agree on each one;
+- both fingerprint files cover exactly the export's backward entries (by index: run it on
+  the file the fingerprints were taken from) and agree on each one;
 - the running tree's forward hash is unchanged (forward entries are not touched).
 
     python benchmarks/experiments/relabel_bwd_hash.py flashtune/data/shipped.json \\
@@ -22,6 +23,8 @@ import argparse
 import json
 import sys
 
+from flashtune.db import open_storage
+from flashtune.db.exchange import export_json, import_json
 from flashtune.db.fingerprint import software_info
 
 
@@ -40,6 +43,11 @@ def main() -> None:
     with open(args.after) as f:
         after = json.load(f)
     bwd = [str(i) for i, e in enumerate(doc["entries"]) if e["direction"] == "bwd"]
+    # The fingerprints are keyed by entry index: the export must be the file they were
+    # taken from, in its order (every fingerprinted index a backward entry of it).
+    if set(before) != set(bwd) or set(after) != set(bwd):
+        sys.exit("the fingerprints are not of this file's backward entries (another file, or "
+                 "reordered): nothing relabelled")
     missing = [i for i in bwd if i not in before or i not in after or not before[i]]
     if missing:
         sys.exit(f"no fingerprints for backward entries {missing[:8]}: nothing relabelled")
@@ -57,9 +65,13 @@ def main() -> None:
         if sw["kernels_hash"] == args.old:
             sw["kernels_hash"] = now.kernels_hash
             n += 1
-    with open(args.path, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    # Written as `autotune export` writes it (its order follows the hash): through an
+    # in-memory database, so the file stays a canonical export.
+    with open_storage("sqlite://") as st:
+        import_json(st, json.dumps(doc).encode())
+        data = export_json(st)
+    with open(args.path, "wb") as f:
+        f.write(data)
     print(f"relabelled {n} of {len(bwd)} backward entries of {args.path} "
           f"({args.old[:12]} -> {now.kernels_hash[:12]})")
 
