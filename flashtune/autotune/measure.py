@@ -102,9 +102,11 @@ ReplyStatus = Literal["ok", "gate", "prune", "error", "died", "timeout"]
 
 
 def classify(exc: BaseException) -> Literal["prune", "error"]:
-    """"prune" for compile errors and out-of-resources, "error" for anything else."""
+    """"prune" for compile errors, out-of-resources and a config the launcher finds it
+    cannot run (InfeasibleConfigError), "error" for anything else."""
     names = {c.__name__ for c in type(exc).__mro__}
-    if names & {"CompilationError", "OutOfResources", "CompileTimeAssertionFailure"}:
+    if names & {"CompilationError", "OutOfResources", "CompileTimeAssertionFailure",
+                "InfeasibleConfigError"}:
         return "prune"
     text = str(exc)
     if "out of resource" in text.lower() or "PTXAS error" in text or "ptxas" in text.lower():

@@ -23,7 +23,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels.config import (
+    BWD_HOPPER,
     CONFIG_TYPES,
     BwdConfig,
     FwdConfig,
@@ -290,8 +292,18 @@ class SearchSpace:
         return point if moved else None
 
     def feasible(self, cfg: Config, problem: Problem) -> tuple[bool, str]:
-        """(True, "") or (False, the kernels' reason for rejecting ``cfg``)."""
-        return is_feasible(cfg, problem)
+        """(True, "") or (False, the kernels' reason for rejecting ``cfg``): the
+        feasibility rules, and for the Hopper backward its launch's shared-memory plan."""
+        ok, why = is_feasible(cfg, problem)
+        if ok and isinstance(cfg, BwdConfig) and cfg.variant == BWD_HOPPER:
+            # Importable here: the rules passed, so Gluon's Hopper API is present.
+            from flashtune.kernels.attn_bwd_hopper import check_launch_plan
+
+            try:
+                check_launch_plan(cfg, problem.head_dim, problem.deterministic)
+            except InfeasibleConfigError as e:
+                return False, str(e)
+        return ok, why
 
     def grid(self) -> Iterator[dict[str, Any]]:
         """Every point of the space, in a fixed order."""
@@ -300,4 +312,4 @@ class SearchSpace:
             yield dict(zip(names, vals, strict=True))
 
     def feasible_grid(self, problem: Problem) -> list[dict[str, Any]]:
-        return [p for p in self.grid() if is_feasible(self.config(p), problem)[0]]
+        return [p for p in self.grid() if self.feasible(self.config(p), problem)[0]]

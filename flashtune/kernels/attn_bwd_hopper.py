@@ -709,10 +709,18 @@ class SmemPlan(NamedTuple):
 def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) -> SmemPlan:
     """How ``c`` spends the shared memory its feasibility formula leaves free, in order:
     - the LSE and Δ rows of every stage (``4 * BLOCK_M`` bytes each), where they fit
-      beside what must be there (in the fixed order, one staging chunk per consumer);
+      beside what must be there (in the fixed order, one query tile's staging chunks);
     - the fixed order's staging ring between the consumers and the dQ writers: two query
-      tiles' chunks where there is room, never fewer than one (the formula counts on that);
+      tiles' chunks where there is room, never fewer than one tile's;
     - a second dS slot, for the deferred dQ of two consumers in the fixed order.
+
+    The ring must hold a whole query tile's chunks: a dQ writer frees a tile's buffers
+    only once it has added all of them (``_bwd_dq_writer``), so with fewer the consumer
+    waits for a buffer that the writer frees only after the chunk the consumer has yet to
+    stage, and the kernel hangs. The feasibility formula does not count the ring; where
+    one tile's chunks do not fit (four stages of 64 x 128 tiles at D=128, whose ring of one
+    chunk hung in a 25 s H100 search; BENCHMARKS.md, session 31), this raises
+    :class:`InfeasibleConfigError`.
 
     Not the deferral with 64-row query tiles under a mask: there it measured 3% slower at
     D=128 (H100, three causal shapes; BENCHMARKS.md, issue 13, session 28), since a later
@@ -724,16 +732,32 @@ def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) 
     consumers = c.hopper_block_n // ROWS_PER_WG
     chunks = d // consumers // DQ_CHUNK
     entry = consumers * c.hopper_block_m * DQ_CHUNK * 4
-    stage_lse = STAGE_LSE and base + rows + entry <= DEFAULT_SMEM_BYTES
+    stage_lse = STAGE_LSE and base + rows + chunks * entry <= DEFAULT_SMEM_BYTES
     if stage_lse:
         base += rows
-    ring = max(1, min(2 * chunks, (DEFAULT_SMEM_BYTES - base) // entry))
+    ring = min(2 * chunks, (DEFAULT_SMEM_BYTES - base) // entry)
+    if ring < chunks:
+        # Imported here: a line more at the top would move the kernels' line info in the PTX.
+        from flashtune.exceptions import InfeasibleConfigError
+
+        raise InfeasibleConfigError(
+            f"bwd hopper: deterministic dQ needs {chunks} staging buffers of {entry} bytes "
+            f"(a {c.hopper_block_m}-row query tile's fp32 dQ columns) beside the "
+            f"{c.hopper_stages} Q/dO stages, and {max(DEFAULT_SMEM_BYTES - base, 0)} bytes of "
+            f"shared memory are left; use fewer hopper_stages or a smaller tile")
     second_ds = 2 * c.hopper_block_n * c.hopper_block_m  # one more dS tile per consumer
     defer = DEFER_DQ and consumers == 2 and not (masked and c.hopper_block_m == 64)
     if defer and base + second_ds + ring * entry <= DEFAULT_SMEM_BYTES:
         return SmemPlan(ring, 2, stage_lse)
     return SmemPlan(ring, 1, stage_lse)
 
+
+
+def check_launch_plan(c: BwdConfig, head_dim: int, deterministic: bool) -> None:
+    """Raise :class:`InfeasibleConfigError` where ``c`` passes the feasibility formula but
+    its launch's buffers cannot be planned (:func:`_smem_plan`); the search space asks
+    this before it proposes a config."""
+    _smem_plan(c, head_dim, deterministic)
 
 def _template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
               block: list[int], layout: Any) -> Any:

@@ -236,3 +236,13 @@ def test_the_forward_launch_is_prepared_once(device: str, seed: int, packed: boo
     want_o, want_l = fwd_mod.attn_fwd(bench.q, bench.k, bench.v, config=cfg, **bench.kw)
     assert torch.equal(o2, want_o) and torch.equal(l2, want_l)
     assert len(built) == 2  # attn_fwd builds one per call
+
+
+def test_a_config_the_launcher_refuses_is_pruned_not_failed() -> None:
+    """A launcher's InfeasibleConfigError (the Hopper backward's shared-memory plan, say)
+    says the candidate cannot run, like a compile error: the trial is pruned."""
+    from flashtune.autotune.measure import classify
+    from flashtune.exceptions import InfeasibleConfigError
+
+    assert classify(InfeasibleConfigError("bwd hopper: no room")) == "prune"
+    assert classify(RuntimeError("bwd hopper: no room")) == "error"

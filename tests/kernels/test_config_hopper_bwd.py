@@ -71,13 +71,15 @@ def test_deterministic_runs_need_no_dq_staging(on_hopper: None) -> None:
 def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_dim: int) -> None:
     """What the launch adds to the buffers the feasibility formula counts fits in shared
     memory for every feasible config, in both orders: the staged LSE and Δ rows, the fixed
-    order's staging ring (one chunk per consumer at least, two query tiles' chunks at
-    most) and, where the deferred dQ takes it, the second dS slot. The rows are staged
-    for the configs the tuner picks (two stages) and given up where they do not fit."""
+    order's staging ring (one query tile's chunks at least, two at most) and, where the
+    deferred dQ takes it, the second dS slot. The rows are staged for the configs the
+    tuner picks (two stages) and given up where they do not fit. Where one tile's chunks
+    cannot fit, the plan refuses the config, and so does the search space."""
     from flashtune.kernels.attn_bwd_hopper import DQ_CHUNK, _smem_plan
     from flashtune.kernels.config import DEFAULT_SMEM_BYTES, is_feasible
 
-    depths, slots, staged_rows = set(), set(), set()
+    space = SearchSpace.full("bwd")
+    depths, slots, staged_rows, refused = set(), set(), set(), set()
     for det in (True, False):
         p = dataclasses.replace(P, head_dim=head_dim, deterministic=det)
         for m in (64, 128):
@@ -88,6 +90,17 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
                     if not is_feasible(c, p)[0]:
                         continue
                     consumers = n // 64
+                    chunks = head_dim // consumers // DQ_CHUNK
+                    try:
+                        _smem_plan(c, head_dim, det)
+                    except InfeasibleConfigError as e:
+                        assert det, c  # the free order stages whole tiles, in the formula
+                        refused.add((m, n, stages))
+                        ok, why = space.feasible(c, p)
+                        assert not ok and why == str(e)
+                        assert "staging buffers" in why and f"{stages} Q/dO stages" in why
+                        continue
+                    assert space.feasible(c, p) == (True, "")
                     for masked in (False, True):
                         plan = _smem_plan(c, head_dim, det, masked)
                         rows = 2 * stages * m * 4 if plan.stage_lse else 0
@@ -99,8 +112,8 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
                                 assert plan.stage_lse, c
                             staged_rows.add((det, plan.stage_lse))
                             continue
-                        chunks = head_dim // consumers // DQ_CHUNK
-                        assert 1 <= plan.dq_ring <= 2 * chunks, (c, plan)
+                        # Fewer than one tile's chunks hang the dQ writer (see _smem_plan).
+                        assert chunks <= plan.dq_ring <= 2 * chunks, (c, plan)
                         staged = consumers * plan.dq_ring * m * DQ_CHUNK * 4
                         second_ds = (plan.ds_bufs - 1) * 2 * n * m
                         assert (smem_bwd_hopper(c, head_dim, True) + rows + staged + second_ds
@@ -111,11 +124,16 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
                             assert plan.ds_bufs == 1, (c, masked)
                         if stages == 2:
                             assert plan.stage_lse, c
-                        depths.add(plan.dq_ring)
+                        depths.add((plan.dq_ring, chunks))
                         slots.add(plan.ds_bufs)
                         staged_rows.add((det, plan.stage_lse))
-    assert min(depths) == 1 and len(depths) > 1  # four stages leave room for one chunk only
+    # Some rings are cut below two tiles' chunks where shared memory runs short.
+    assert any(ring < 2 * chunks for ring, chunks in depths)
+    assert any(ring == 2 * chunks for ring, chunks in depths)
     assert slots == {1, 2}
+    # At head dim 128, four stages of 64 x 128 tiles leave room for one 16 KiB chunk of the
+    # two a tile needs (it hung in an H100 search); at 64 every feasible config plans.
+    assert refused == ({(64, 128, 4)} if head_dim == 128 else set())
     # At head dim 64 the configs at the shared-memory limit (128-row tiles, three and four
     # stages) give the rows up, in both orders; at 128 every feasible config stages them.
     assert staged_rows == ({(True, True), (True, False), (False, True), (False, False)}
