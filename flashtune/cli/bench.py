@@ -145,10 +145,12 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
             table = load_table(device_info(), db_url or database_url())
         if table.error is not None:
             raise click.ClickException(f"cannot use the tuning database: {table.error}")
-        quiet = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
+        # Progress goes to stderr with --json too (stdout stays one JSON document): a run
+        # cut by a time limit then says which shape it was timing.
         restore = interrupt_on_sigterm()
         try:
-            rows, errors, interrupted = _bench_rows(problems, table, interpreter, rep_ms, quiet)
+            rows, errors, interrupted = _bench_rows(problems, table, interpreter, rep_ms,
+                                                    lambda m: click.echo(m, err=True))
         finally:
             restore()
     done = len(rows) // 3  # three timings (rows) per shape measured

@@ -190,3 +190,14 @@ def test_bench_sigterm_before_any_shape_measured_exits_143(tmp_path: Path, monke
     assert res.exit_code == 143, res.output
     assert "interrupted: 0 of 1 shapes measured" in res.stderr
     assert "Traceback" not in res.output
+
+
+def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
+    """--json keeps stdout one JSON document and still says on stderr which shape it is
+    timing, so a run cut by a time limit tells where it was."""
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    json.loads(res.stdout)
+    assert "[1/1] " in res.stderr and "[1/1]" not in res.stdout
