@@ -212,10 +212,11 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
                   n_nearest: int = 3) -> list[tuple[dict[str, Any], str]]:
     """Warm-start points, in order: the key's stale winners on this device (the
     database's, then the shipped layer's; what an upgrade made stale is the best prior
-    there is), the shipped layer's winner for the key
-    on this device, the heuristic default, then the key's results on other devices (the
-    database's), and the ``n_nearest`` tuned keys nearest to it on this device (the
-    database's and, with ``shipped``, the shipped layer's, nearest first), the prior
+    there is), the shipped layer's winner for the key on this device, the heuristic
+    default, then the key's results on other devices (the database's, then, with
+    ``shipped``, the shipped layer's), and the ``n_nearest`` tuned keys nearest to it on
+    this device (the database's and, with ``shipped``, the shipped layer's, nearest
+    first), the prior
     points of the device's architecture (:func:`~flashtune.autotune.priors.prior_points`),
     and last the default's tiles in each other kernel variant that may serve the problem
     (and, for a forward whose default is a Hopper kernel, the portable kernel's own
@@ -247,10 +248,18 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         from flashtune.db.exchange import shipped_results
 
         try:
-            layer = [r for r in shipped_results(software) if r.device.fingerprint == here]
+            everywhere = shipped_results(software)
+            layer = [r for r in everywhere if r.device.fingerprint == here]
             table.update((r.key, r) for r in layer if not r.stale)
-            # The shipped winner an upgrade made stale, after the database's own.
+            # The shipped winner an upgrade made stale, after the database's own; then the
+            # key's shipped winners on other devices, fastest first, after the database's
+            # (an H100 search of a short causal forward starts from the H200's winner,
+            # whose config the H100's one-trial search had never tried; BENCHMARKS.md,
+            # issue 17, session 31).
             seeds += [r for r in layer if r.stale and r.key == key]
+            seeds += sorted((r for r in everywhere
+                             if r.key == key and r.device.fingerprint != here),
+                            key=lambda r: r.median_ms)
         except Exception as e:  # the shipped layer is optional
             warnings.warn(f"warm start: could not read the shipped layer: {e}", stacklevel=2)
     if storage is not None:

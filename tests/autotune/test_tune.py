@@ -225,6 +225,37 @@ def test_shipped_layer_seeds_the_search(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert [t.user_attrs.get("seed_source") for t in study.trials] == ["default"]
 
 
+def test_shipped_winners_of_other_devices_seed_the_search(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped layer's winners for the key on other devices seed the search after the
+    default, fastest first, as the database's do: a device whose own entry came from a
+    short search starts from what another GPU found."""
+    from dataclasses import replace
+
+    import flashtune.db.exchange as exchange
+    from flashtune.db.fingerprint import DeviceInfo
+
+    here, sw = device_info(), software_info()
+    fast = DeviceInfo(name="Fast GPU", capability="9.0", sm_count=132, memory_gb=141)
+    slow = DeviceInfo(name="Slow GPU", capability="9.0", sm_count=132, memory_gb=80)
+    timing = dict(tflops=1.0, max_error=0.0, trials=1, search_seconds=1.0)
+    with open_storage(tmp_path / "made.db") as st:
+        st.put_result(slow, sw, TINY.key("fwd"), {"block_m": 32, "block_n": 32},
+                      median_ms=2.0, p20_ms=1.9, p80_ms=2.1, **timing)
+        st.put_result(fast, sw, TINY.key("fwd"), {"block_m": 16, "block_n": 32},
+                      median_ms=1.0, p20_ms=0.9, p80_ms=1.1, **timing)
+        layer = [replace(r, origin="shipped") for r in st.results(software=sw)]
+    monkeypatch.setattr(exchange, "shipped_results", lambda software=None: layer)
+    r = tune(TINY, "fwd", trials=3, storage=tmp_path / "fresh.db", retime_rounds=0)
+    study = optuna.load_study(study_name=r.study_name,
+                              storage=f"sqlite:///{tmp_path / 'fresh.db'}")
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert [t.user_attrs.get("seed_source") for t in measured] == \
+        ["default", "device:Fast GPU", "device:Slow GPU"]
+    assert [t.params["block_m"] for t in measured[1:]] == [16, 32]
+    assert here.fingerprint not in (fast.fingerprint, slow.fingerprint)
+
+
 def test_backward_polish_moves_each_launch_and_recombines(tmp_path) -> None:
     db = tmp_path / "tuning.db"
     space = SearchSpace.subgrid("bwd", dkdv_block_m=(16, 32), dkdv_block_n=(16, 32),
