@@ -7,6 +7,7 @@ interpreter spends 0.3-2 s per launch.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import optuna
 import pytest
@@ -195,25 +196,37 @@ def test_warm_start_enqueues_default_and_database_seeds(tmp_path) -> None:
     assert measured[1].params["block_m"] == 16 and measured[2].params["block_m"] == 32
 
 
-def test_shipped_layer_seeds_the_search(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _tune_on_shipped(tmp_path, monkeypatch: pytest.MonkeyPatch, put: Any) -> list[Any]:
+    """The measured trials of a 3-trial tune of TINY on a fresh database, with the shipped
+    layer made of what ``put(storage)`` stores."""
     from dataclasses import replace
 
     import flashtune.db.exchange as exchange
 
-    here, sw = device_info(), software_info()
-    near = replace(TINY, seqlen_q=64, seqlen_k=64)  # same family, next bucket
-    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
-                  trials=1, search_seconds=1.0)
     with open_storage(tmp_path / "made.db") as st:  # results as the shipped layer holds them
-        st.put_result(here, sw, TINY.key("fwd"), {"block_m": 32, "block_n": 32}, **timing)
-        st.put_result(here, sw, near.key("fwd"), {"block_m": 16, "block_n": 32}, **timing)
-        layer = [replace(r, origin="shipped") for r in st.results(software=sw)]
+        put(st)
+        layer = [replace(r, origin="shipped") for r in st.results(software=software_info())]
     monkeypatch.setattr(exchange, "shipped_results", lambda software=None: layer)
     # A fresh database: the seeds can only come from the shipped layer.
     r = tune(TINY, "fwd", trials=3, storage=tmp_path / "fresh.db", retime_rounds=0)
     study = optuna.load_study(study_name=r.study_name,
                               storage=f"sqlite:///{tmp_path / 'fresh.db'}")
-    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    return [t for t in study.trials if t.user_attrs.get("measured")]
+
+
+def test_shipped_layer_seeds_the_search(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    here, sw = device_info(), software_info()
+    near = replace(TINY, seqlen_q=64, seqlen_k=64)  # same family, next bucket
+    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                  trials=1, search_seconds=1.0)
+
+    def put(st: Any) -> None:
+        st.put_result(here, sw, TINY.key("fwd"), {"block_m": 32, "block_n": 32}, **timing)
+        st.put_result(here, sw, near.key("fwd"), {"block_m": 16, "block_n": 32}, **timing)
+
+    measured = _tune_on_shipped(tmp_path, monkeypatch, put)
     assert [t.user_attrs.get("seed_source") for t in measured] == \
         ["shipped", "default", "nearest"]
     assert (measured[0].params["block_m"], measured[2].params["block_m"]) == (32, 16)
@@ -230,26 +243,20 @@ def test_shipped_winners_of_other_devices_seed_the_search(
     """The shipped layer's winners for the key on other devices seed the search after the
     default, fastest first, as the database's do: a device whose own entry came from a
     short search starts from what another GPU found."""
-    from dataclasses import replace
-
-    import flashtune.db.exchange as exchange
     from flashtune.db.fingerprint import DeviceInfo
 
     here, sw = device_info(), software_info()
     fast = DeviceInfo(name="Fast GPU", capability="9.0", sm_count=132, memory_gb=141)
     slow = DeviceInfo(name="Slow GPU", capability="9.0", sm_count=132, memory_gb=80)
     timing = dict(tflops=1.0, max_error=0.0, trials=1, search_seconds=1.0)
-    with open_storage(tmp_path / "made.db") as st:
+
+    def put(st: Any) -> None:
         st.put_result(slow, sw, TINY.key("fwd"), {"block_m": 32, "block_n": 32},
                       median_ms=2.0, p20_ms=1.9, p80_ms=2.1, **timing)
         st.put_result(fast, sw, TINY.key("fwd"), {"block_m": 16, "block_n": 32},
                       median_ms=1.0, p20_ms=0.9, p80_ms=1.1, **timing)
-        layer = [replace(r, origin="shipped") for r in st.results(software=sw)]
-    monkeypatch.setattr(exchange, "shipped_results", lambda software=None: layer)
-    r = tune(TINY, "fwd", trials=3, storage=tmp_path / "fresh.db", retime_rounds=0)
-    study = optuna.load_study(study_name=r.study_name,
-                              storage=f"sqlite:///{tmp_path / 'fresh.db'}")
-    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+
+    measured = _tune_on_shipped(tmp_path, monkeypatch, put)
     assert [t.user_attrs.get("seed_source") for t in measured] == \
         ["default", "device:Fast GPU", "device:Slow GPU"]
     assert [t.params["block_m"] for t in measured[1:]] == [16, 32]
