@@ -21,6 +21,7 @@ from flashtune._env import interpreting, torch_dtype
 from flashtune.kernels import _autograd, _plans
 from flashtune.kernels._plans import Plan, Resolver, caches, heuristic_resolver, remember
 from flashtune.kernels.config import (
+    BWD_HOPPER,
     BwdConfig,
     FwdConfig,
     check_bwd,
@@ -257,6 +258,12 @@ def forced_configs(config: Any, problem: Problem) -> tuple[FwdConfig | None, Bwd
         check_fwd(fwd_cfg, problem)
     if bwd_cfg is not None:
         check_bwd(bwd_cfg, problem)
+        if bwd_cfg.variant == BWD_HOPPER:
+            # The Hopper backward's launch plan (the fixed order's dQ staging), checked here
+            # too, so the call fails before its forward runs. Importable: the rules passed.
+            from flashtune.kernels.attn_bwd_hopper import check_launch_plan
+
+            check_launch_plan(bwd_cfg, problem.head_dim, problem.deterministic)
     return fwd_cfg, bwd_cfg
 
 

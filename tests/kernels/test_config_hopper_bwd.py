@@ -263,3 +263,24 @@ def test_prepared_backward_fixes_the_call_signature() -> None:
     bufs = odd.buffers(*(torch.empty(b, h, 1001, d),) * 3, lse_odd)
     assert bufs[3] is lse_odd  # read with masked loads: no alignment needed, no copy
     assert bufs[6] is bufs[5]  # the free order has no semaphores
+
+
+def test_a_forced_config_the_launch_cannot_plan_fails_before_any_launch(
+        on_hopper: None) -> None:
+    """A forced Hopper backward config that passes the feasibility formula but not the
+    launch's plan is refused when the call is checked (forced_configs), with the plan's
+    reason, not when its backward is launched after the forward ran."""
+    import torch
+
+    from flashtune.kernels.attention import flash_attention, forced_configs
+
+    det = dataclasses.replace(P, deterministic=True)
+    four = dataclasses.replace(HOP, hopper_block_m=64, hopper_block_n=128, hopper_stages=4)
+    check_bwd(four, det)  # the formula alone lets it through
+    with pytest.raises(InfeasibleConfigError, match="staging buffers"):
+        forced_configs(four, det)
+    three = dataclasses.replace(four, hopper_stages=3)
+    assert forced_configs(three, det) == (None, three)
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(InfeasibleConfigError, match="staging buffers"):
+        flash_attention(q, q, q, config=four)
