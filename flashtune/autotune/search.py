@@ -44,6 +44,9 @@ ABANDON_OVER = 1.1
 # Where a measured trial's time went (its attributes, in seconds), in its progress event.
 TRIAL_SECONDS = ("pool_wait_s", "wall_s", "compile_s", "gate_s", "reference_s", "time_s",
                  "confirm_s")
+# Where candidates keep failing, a time budget's minimum of timed candidates
+# (``Settings.min_trials``) gives up once this many times that many are measured in all.
+MIN_TRIALS_TRIES = 3
 # Polishing points compiled ahead of their turn (see Search._prefetch).
 PREFETCH = 8
 # While the next candidate still compiles, measure one that is built already (see
@@ -72,8 +75,10 @@ class Settings:
     warm_start: bool
     shipped_seeds: bool = True
     search_timing: dict[str, Any] | None = None  # trials and confirmations; None: ``timing``
-    # A time budget stops the search only once this many candidates are measured (the
-    # tuner raises it where a stale winner seeds the search: see ``STALE_MIN_TRIALS``).
+    # A time budget stops the search only once this many candidates are timed (the tuner
+    # raises it where a stale winner seeds the search: see ``STALE_MIN_TRIALS``). A
+    # candidate that failed or was pruned does not count, up to MIN_TRIALS_TRIES times
+    # this many measured in all.
     min_trials: int = 1
 
     @property
@@ -153,10 +158,11 @@ class Search:
 
         self.done: dict[tuple[Any, ...], Any] = {}
         self.part_times: dict[tuple[Any, ...], PartTimes] = {}
-        self.measured = 0
+        self.measured = self.timed = 0  # run in the worker; of those, timed (see _minimum_met)
         for t in self.study.get_trials(deepcopy=False):
             if t.user_attrs.get("measured"):
                 self.measured += 1
+                self.timed += t.state == TrialState.COMPLETE
             if (t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.params
                     and not t.user_attrs.get("cancelled")):
                 self.done.setdefault(sig(self.s.space.complete(t.params)), t)
@@ -196,11 +202,20 @@ class Search:
                            "budget": self.s.trials, "best_ms": self.best,
                            "elapsed_s": time.perf_counter() - self.t_start, **ev})
 
-    def _out_of_time_or_patience(self, done: int | None = None) -> str:
-        """Why the search should stop, or "". ``done``: the candidates that count towards
-        the time budget's minimum (``Settings.min_trials``; default: those measured)."""
-        done = self.measured if done is None else done
-        if self.s.time_budget is not None and done >= self.s.min_trials and \
+    def _minimum_met(self, queued: int = 0) -> bool:
+        """Whether a time budget may stop the search: ``Settings.min_trials`` candidates
+        timed, counting the ``queued`` ones as if they will be. A pruned or failed
+        candidate does not count (a search of one timing and two failures only re-timed
+        its first seed), unless candidates keep failing: then the minimum gives up once
+        MIN_TRIALS_TRIES times as many were measured in all."""
+        need = self.s.min_trials
+        return (self.timed + queued >= need
+                or self.measured + queued >= MIN_TRIALS_TRIES * need)
+
+    def _out_of_time_or_patience(self, queued: int = 0) -> str:
+        """Why the search should stop, or "". ``queued``: candidates asked for and not
+        measured yet, counted towards the time budget's minimum (:meth:`_minimum_met`)."""
+        if self.s.time_budget is not None and self._minimum_met(queued) and \
                 time.perf_counter() - self.t_start >= self.s.time_budget:
             return "time budget"
         if self.s.patience is not None and self.since_best >= self.s.patience:
@@ -214,7 +229,7 @@ class Search:
         if not self.measured and not self.pending:
             return True  # a time budget spent on setup (a loaded machine) still measures one
         # Asking ahead, the candidates queued count towards the minimum too.
-        why = self._out_of_time_or_patience(self.measured + len(self.pending))
+        why = self._out_of_time_or_patience(len(self.pending))
         self.stop_reason = why or self.stop_reason
         return not why
 
@@ -440,6 +455,7 @@ class Search:
         from optuna.trial import TrialState
 
         value = float(reply["median_ms"])
+        self.timed += 1
         trial.set_user_attr("p20_ms", float(reply["p20_ms"]))
         trial.set_user_attr("p80_ms", float(reply["p80_ms"]))
         trial.set_user_attr("interpreter", bool(reply.get("interpreter")))

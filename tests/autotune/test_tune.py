@@ -121,30 +121,72 @@ def test_infeasible_candidates_are_pruned_with_a_reason(tmp_path) -> None:
     assert all("16 warps" in t.user_attrs["pruned_reason"] for t in pruned)
 
 
-def test_a_stale_winner_seeds_at_least_three_trials_under_a_short_budget(tmp_path) -> None:
-    """After an upgrade the stale winner seeds the search; a time budget shorter than one
-    trial then still measures three candidates (the stale winner first), where the same
-    budget without a stale winner measures one (the next test)."""
-    from flashtune.autotune.tuner import STALE_MIN_TRIALS
+STALE_WINNER = {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1}
+
+
+def _tune_after_upgrade(tmp_path) -> tuple[TuneResult, list[Any]]:
+    """A 0.5 s tune of TINY whose database holds :data:`STALE_WINNER`, tuned under an
+    older Triton; the result and its measured trials."""
     from flashtune.db.fingerprint import SoftwareInfo
 
     db = tmp_path / "tuning.db"
     now = software_info()
     before = SoftwareInfo(torch=now.torch, triton="3.8.0", cuda=now.cuda,  # an older Triton
                           kernels_hash=now.kernels_hash, ptxas=now.ptxas)
-    winner = {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1}
     with open_storage(db) as st:
-        st.put_result(device_info(), before, TINY.key("fwd"), winner, problem=TINY,
+        st.put_result(device_info(), before, TINY.key("fwd"), STALE_WINNER, problem=TINY,
                       tflops=1.0, median_ms=2.0, p20_ms=2.0, p80_ms=2.0, max_error=0.0,
                       trials=9, search_seconds=1.0)
     r = tune(TINY, "fwd", time_budget=0.5, storage=db, retime_rounds=0)
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    return r, [t for t in study.trials if t.user_attrs.get("measured")]
+
+
+def test_a_stale_winner_seeds_at_least_three_trials_under_a_short_budget(tmp_path) -> None:
+    """After an upgrade the stale winner seeds the search; a time budget shorter than one
+    trial then still measures three candidates (the stale winner first), where the same
+    budget without a stale winner measures one (the next test)."""
+    from flashtune.autotune.tuner import STALE_MIN_TRIALS
+
+    r, measured = _tune_after_upgrade(tmp_path)
     assert STALE_MIN_TRIALS == 3
     assert r.trials == STALE_MIN_TRIALS and r.stop_reason == "time budget"
-    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
-    measured = [t for t in study.trials if t.user_attrs.get("measured")]
     assert len(measured) == STALE_MIN_TRIALS
     assert measured[0].user_attrs["seed_source"] == "stale"
-    assert {k: measured[0].params[k] for k in winner} == winner
+    assert {k: measured[0].params[k] for k in STALE_WINNER} == STALE_WINNER
+
+
+def test_the_minimum_counts_timed_trials_not_failed_ones(tmp_path, monkeypatch) -> None:
+    """A stale winner that fails on the new software does not count towards the three:
+    the search times three others after it."""
+    from flashtune.autotune.tuner import STALE_MIN_TRIALS
+
+    monkeypatch.setenv(ENV, fault_env((STALE_WINNER, "raise"))[ENV])
+    r, measured = _tune_after_upgrade(tmp_path)
+    assert measured[0].user_attrs["seed_source"] == "stale"
+    assert measured[0].state == TrialState.FAIL
+    assert "injected launcher failure" in measured[0].user_attrs["error"]
+    assert [t.state for t in measured[1:]] == [TrialState.COMPLETE] * STALE_MIN_TRIALS
+    assert r.trials == STALE_MIN_TRIALS + 1 and r.complete == STALE_MIN_TRIALS
+    assert r.stop_reason == "time budget"
+
+
+def test_the_minimum_gives_up_when_every_candidate_fails(tmp_path, monkeypatch) -> None:
+    """Where nothing can be timed, the minimum stops waiting for timings after
+    MIN_TRIALS_TRIES times its count of candidates: the budget ends the search, which
+    then says that no candidate passed."""
+    from flashtune.autotune.search import MIN_TRIALS_TRIES
+    from flashtune.autotune.tuner import STALE_MIN_TRIALS
+    from flashtune.exceptions import TuningError
+
+    monkeypatch.setenv(ENV, fault_env(({}, "raise"))[ENV])  # every config
+    n = MIN_TRIALS_TRIES * STALE_MIN_TRIALS
+    with pytest.raises(TuningError, match=f"{n} measured \\({n} failed"):
+        _tune_after_upgrade(tmp_path)
+    url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    (name,) = optuna.get_all_study_names(url)
+    trials = optuna.load_study(study_name=name, storage=url).trials
+    assert [t.state for t in trials if t.user_attrs.get("measured")] == [TrialState.FAIL] * n
 
 
 def test_time_budget_and_resume_counts_stored_trials(tmp_path) -> None:
