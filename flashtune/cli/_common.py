@@ -104,6 +104,79 @@ def search_options(trials_help: str, time_help: str) -> Callable[[Any], Any]:
                             default="both", show_default=True)(fn)
     return apply
 
+# Seconds a SIGTERM or SIGINT may wait for the main thread before :func:`exit_when_stuck`
+# ends the process (``FLASHTUNE_SIGNAL_GRACE``): longer than one implementation's timings
+# of a long shape, or a FlexAttention compile, take.
+SIGNAL_GRACE_S = 20.0
+
+
+@contextmanager
+def exit_when_stuck(report: Callable[[int], int]) -> Iterator[None]:
+    """Within the block, a SIGTERM or SIGINT that the main thread has not acted on within
+    ``$FLASHTUNE_SIGNAL_GRACE`` seconds (default :data:`SIGNAL_GRACE_S`) ends the process:
+    ``report(signum)`` prints what was done so far and gives the exit status.
+
+    Python runs its signal handlers (the KeyboardInterrupt of
+    :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) only in the main thread, between
+    two bytecodes. A main thread waiting on the GPU for a kernel that never ends (a
+    barrier mistake hangs it) never gets there, so ``timeout``'s SIGTERM alone never ends
+    the command, and what it measured is lost with the SIGKILL that follows. The C-level
+    handler still writes the signal's number to the wakeup fd; a watcher thread reads it
+    (torch and Triton release the GIL while they wait on the GPU)."""
+    import signal
+    import threading
+
+    from flashtune._env import number
+
+    grace = number("FLASHTUNE_SIGNAL_GRACE", SIGNAL_GRACE_S)
+    grace = max(grace, 0.0) if math.isfinite(grace) else SIGNAL_GRACE_S
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    finished = threading.Event()
+    lock = threading.Lock()  # held by whichever side ends the command
+
+    def watch() -> None:
+        try:
+            while True:
+                data = os.read(r, 64)
+                if not data:
+                    return  # the block ended
+                sig = next((b for b in data if b in (signal.SIGTERM, signal.SIGINT)), None)
+                if sig is not None:
+                    break
+        except OSError:
+            return
+        if finished.wait(grace):
+            return
+        with lock:
+            if finished.is_set():
+                return
+            status = 128 + sig
+            try:
+                click.echo(f"no answer to {signal.Signals(sig).name} within {grace:g} s: the "
+                           "main thread is blocked (waiting on a hung GPU kernel?); exiting "
+                           "with what was done", err=True)
+                status = report(sig)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+
+    watcher = threading.Thread(target=watch, name="flashtune-signal-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        with lock:  # a watcher already reporting ends the process while we wait here
+            finished.set()
+        signal.set_wakeup_fd(old_fd)
+        os.close(w)  # the watcher's read sees the end of the pipe
+        watcher.join(timeout=5)
+        if not watcher.is_alive():
+            os.close(r)
+
+
 @contextmanager
 def clean_errors() -> Iterator[None]:
     """Turn expected failures into one line on stderr and exit status 1."""

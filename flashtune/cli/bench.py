@@ -15,6 +15,7 @@ from flashtune.cli._common import (
     clean_errors,
     console,
     db_option,
+    exit_when_stuck,
     fmt,
     kernel_mode,
     shape_label,
@@ -57,31 +58,33 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
 
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
-                progress: Callable[[str], None],
-                ) -> tuple[list[dict[str, Any]], list[str], bool]:
-    """(rows, errors, interrupted). A SIGINT or SIGTERM (under
+                progress: Callable[[str], None], rows: list[dict[str, Any]],
+                errors: list[str]) -> bool:
+    """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
+    True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
     timings: the shapes measured whole are kept, the one in hand is dropped."""
     from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
-    rows: list[dict[str, Any]] = []
-    errors: list[str] = []
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
-            return rows, errors, True
+            return True
+        shape_rows = []
         for kind in ("fwd", "bwd", "infer"):
             flops = p.flops("bwd" if kind == "bwd" else "fwd")
             tf = {n: t[kind].tflops(flops) for n, t in timings.items()}
             ms = {n: t[kind].median_ms for n, t in timings.items()}
-            rows.append({"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
-                         "tflops": tf, "ms": ms, "ratios": _ratios(tf),
-                         "tuned_directions": info["tuned"], "tuned_layers": info["layers"]})
-    return rows, errors, False
+            shape_rows.append({"problem": p.as_dict(), "shape": shape_label(p),
+                               "timing": kind, "tflops": tf, "ms": ms, "ratios": _ratios(tf),
+                               "tuned_directions": info["tuned"],
+                               "tuned_layers": info["layers"]})
+        rows += shape_rows  # one step: a report from another thread sees whole shapes
+    return False
 
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
@@ -128,7 +131,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
     inference forward, all timed in this process; ratios are ours over each other.
     Interrupted (Ctrl-C, SIGTERM), it reports the shapes measured so far, marked as
-    interrupted, and exits with 130 / 143.
+    interrupted, and exits with 130 / 143; also when the signal finds it waiting on a hung
+    kernel (after $FLASHTUNE_SIGNAL_GRACE seconds, default 20).
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
@@ -136,8 +140,10 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     from flashtune.autotune.sweep import interrupt_on_sigterm, interrupted_status
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.dispatch._table import load_table
-    from flashtune.timing import geomean
 
+    # Read up front: a report made while the GPU hangs (see exit_when_stuck) asks it nothing.
+    meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
+            "interpreter": interpreter}
     with clean_errors():
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -145,20 +151,44 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
             table = load_table(device_info(), db_url or database_url())
         if table.error is not None:
             raise click.ClickException(f"cannot use the tuning database: {table.error}")
+        rows: list[dict[str, Any]] = []
+        errors: list[str] = []
+
+        def stuck(signum: int) -> int:  # the main thread never answered the signal
+            try:
+                _report(list(rows), list(errors), len(problems), meta, as_json,
+                        interrupted=True)
+            except click.ClickException as e:
+                e.show()
+            return 128 + signum
+
         # Progress goes to stderr with --json too (stdout stays one JSON document): a run
         # cut by a time limit then says which shape it was timing.
         restore = interrupt_on_sigterm()
         try:
-            rows, errors, interrupted = _bench_rows(problems, table, interpreter, rep_ms,
-                                                    lambda m: click.echo(m, err=True))
+            with exit_when_stuck(stuck):
+                interrupted = _bench_rows(problems, table, interpreter, rep_ms,
+                                          lambda m: click.echo(m, err=True), rows, errors)
         finally:
             restore()
+    if not _report(rows, errors, len(problems), meta, as_json, interrupted):
+        sys.exit(interrupted_status())
+
+
+def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dict[str, Any],
+            as_json: bool, interrupted: bool) -> bool:
+    """Print the rows (a table, or one JSON document with ``as_json``, which holds
+    ``meta``: device, software, interpreter), the geomeans and the errors; False when
+    interrupted (the command then exits with the signal's status). A ClickException when
+    nothing at all was measured."""
+    from flashtune.timing import geomean
+
     done = len(rows) // 3  # three timings (rows) per shape measured
     if interrupted:
-        click.echo(f"interrupted: {done} of {len(problems)} shapes measured; the results "
+        click.echo(f"interrupted: {done} of {total} shapes measured; the results "
                    f"below are theirs", err=True)
         if not rows:
-            sys.exit(interrupted_status())
+            return False
     if not any(row["tflops"] for row in rows):
         for e in errors[:20]:
             click.echo(f"failed {e}", err=True)
@@ -172,22 +202,20 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         import datetime
 
         click.echo(json.dumps({
-            "device": device_info().as_dict(), "software": software_info().as_dict(),
-            "interpreter": interpreter,
+            **meta,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "rows": rows, "geomean_ratios": summary, "errors": errors,
-            "shapes": {"measured": done, "total": len(problems)}, "interrupted": interrupted},
+            "shapes": {"measured": done, "total": total}, "interrupted": interrupted},
             indent=2, sort_keys=True, default=str))
     else:
-        console().print(_bench_table(rows, interpreter))
+        console().print(_bench_table(rows, meta["interpreter"]))
         for kind, r in summary.items():
             shown = "  ".join(f"{n} {v:.2f}x" for n, v in r.items() if v == v)
             if shown:
                 click.echo(f"geomean {kind}: {shown}")
         for e in errors:
             click.echo(f"skipped {e}", err=True)
-    if interrupted:
-        sys.exit(interrupted_status())
+    return not interrupted
 
 
 _IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")

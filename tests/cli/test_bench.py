@@ -201,3 +201,71 @@ def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     json.loads(res.stdout)
     assert "[1/1] " in res.stderr and "[1/1]" not in res.stdout
+
+
+# A bench whose second shape never returns from its timings, with SIGTERM and SIGINT
+# blocked in the main thread: as a main thread waiting on the GPU for a hung kernel, it
+# never gets back to Python. (A signal that lands between "stuck" and the sleep still runs
+# the handler there, at the next bytecode: the loop swallows that, as the hung kernel
+# would never return to let it act.)
+_STUCK_BENCH = """
+import signal, sys, time
+import flashtune.timing
+real = flashtune.timing.three_timings
+def timed(fn, p, dev, **kw):
+    if p.seqlen_q == 48:
+        while True:
+            try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+                print("stuck", file=sys.stderr, flush=True)
+                time.sleep(600)
+            except KeyboardInterrupt:
+                pass
+    return real(fn, p, dev, **kw)
+flashtune.timing.three_timings = timed
+from flashtune.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_bench_sigterm_while_the_main_thread_is_stuck_reports_and_exits(
+        tmp_path: Path) -> None:
+    """A SIGTERM that finds the main thread blocked (a hung GPU kernel) ends the bench
+    after $FLASHTUNE_SIGNAL_GRACE seconds, with the shapes measured whole as JSON and exit
+    status 143, instead of never ending."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(TINY + [dict(TINY[0], seqlen=48)]))
+    env = dict(os.environ, TRITON_INTERPRET="1", FLASHTUNE_SIGNAL_GRACE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_BENCH, "bench", "--interpret", "--json", "--rep-ms",
+         "1", "--shapes", str(shapes), "--db", str(tmp_path / "none.db")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the first shape is measured, then the second sticks
+            seen.append(line)
+            if line.strip() == "stuck":
+                break
+        assert seen and seen[-1].strip() == "stuck", "".join(seen)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert 1 <= waited < 100  # the grace, then the exit (not the 600 s sleep)
+    assert "no answer to SIGTERM within 1 s" in err
+    assert "interrupted: 1 of 2 shapes measured" in err
+    doc = json.loads(out)
+    assert doc["interrupted"] is True and doc["shapes"] == {"measured": 1, "total": 2}
+    assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
+    assert all(r["problem"]["seqlen_q"] == 64 and r["tflops"]["default"] > 0
+               for r in doc["rows"])
