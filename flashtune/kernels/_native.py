@@ -29,11 +29,13 @@ the kernel launched in C++, instead of through Triton's Python launcher.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -118,14 +120,49 @@ def compile_command(output: Path) -> list[str]:
     return [compiler, *flags, *includes, str(SOURCE), "-o", str(output), *libs]
 
 
+def _build_prefix(pid: int) -> str:
+    """The temporary output's name prefix: host and process, so that a later build can
+    tell a dead build's leftover from a running one's output (see :func:`_remove_leftovers`)."""
+    return f".build-{socket.gethostname()}-{pid}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_leftovers(folder: Path) -> list[Path]:
+    """Remove the temporary outputs of builds on this host whose process is gone (an
+    interpreter that exited during a background build leaves the compiler writing one);
+    the paths removed. A running build's output, and another host's (a shared home
+    folder), are left alone."""
+    mine = _build_prefix(0)[:-2]  # ".build-HOST-"
+    removed = []
+    for path in folder.glob(f"{mine}*.so"):
+        pid = path.name[len(mine):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):  # a concurrent build removed it first
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
 def build() -> Path:
     """Compile the extension into :func:`build_dir` (atomically: a concurrent build or a
-    killed one never leaves a half-written library). Returns the library's path."""
+    killed one never leaves a half-written library; the next build removes what a dead
+    one left). Returns the library's path."""
     target = _library()
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    _remove_leftovers(target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_build_prefix(os.getpid()), suffix=".so",
+                               dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run(compile_command(Path(tmp)), capture_output=True, text=True)

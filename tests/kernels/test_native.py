@@ -185,6 +185,37 @@ def test_a_failed_build_leaves_nothing_and_the_python_node_serves(
         _native.reset()
 
 
+def test_a_build_removes_what_a_dead_build_left(tmp_path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that exits during a background build leaves the compiler writing a
+    temporary library; the next build on the host removes it, and leaves a running build's
+    output and another host's alone."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(_native.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # the build itself fails at once
+    _native.reset()
+    try:
+        folder = _native.build_dir()
+        folder.mkdir(parents=True)
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+        host = socket.gethostname()
+        dead = folder / f".build-{host}-{int(gone.stdout)}-x1y2.so"
+        running = folder / f".build-{host}-{os.getpid()}-a1b2.so"
+        elsewhere = folder / f".build-{host}x-{int(gone.stdout)}-c3d4.so"
+        for p in (dead, running, elsewhere):
+            p.write_bytes(b"half a library")
+        with pytest.raises(RuntimeError, match="compiling"):
+            _native.build()
+        assert sorted(p.name for p in folder.iterdir()) == \
+            sorted(p.name for p in (running, elsewhere))
+    finally:
+        _native.reset()
+
+
 def test_switched_off_the_python_node_serves(device: str, seed: int,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_native.ENV, "0")
