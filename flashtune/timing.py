@@ -14,7 +14,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ def make_inputs(p: Problem, device: torch.device | str, *, requires_grad: bool =
     problem gets (total, H, D) tensors of :meth:`Problem.packed_lengths` (see
     :func:`packed_layout`)."""
     dt = torch_dtype(p.dtype)
+    shapes: tuple[tuple[int, ...], ...]
     if p.packed:
         lq, lk = p.packed_lengths()
         shapes = ((sum(lq), p.heads_q, p.head_dim), (sum(lk), p.heads_kv, p.head_dim),
@@ -231,9 +232,9 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     if not torch.cuda.is_available():
         times: list[list[float]] = [[] for _ in fns]
         for i in _turns(max(cpu_reps, 1), k):
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             fns[i]()
-            times[i].append((time.perf_counter() - t0) * 1e3)
+            times[i].append((time.perf_counter() - start) * 1e3)
         return [Timing(*_quantiles(ts), interpreter=True) for ts in times]
 
     torch.cuda.synchronize()
@@ -290,6 +291,72 @@ def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
                  max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6), max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6),
                  t_fb.interpreter)
     return {"fwd": t_fwd, "bwd": bwd, "infer": t_inf}
+
+
+def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
+                              device: torch.device | str, *, warmup_ms: float = 25,
+                              rep_ms: float = 100, rounds: int = 1,
+                              errors: dict[str, str] | None = None,
+                              ) -> dict[str, dict[str, Timing]]:
+    """:func:`three_timings` of several implementations side by side: each of the three
+    timings runs every implementation in one loop (:func:`time_interleaved`: in turn, L2
+    flushed before each launch), so every one meets the same clocks. Timed one after
+    another, the implementation that follows an idle GPU (a compile) runs in the clocks'
+    fast first 100-odd ms and the ones after it in the sagged ones (BENCHMARKS.md, "Why the
+    final re-timing disagreed with itself").
+
+    Every implementation shares one set of inputs. One that fails its first call in any
+    of the three is left out, with its error in ``errors`` (name: text)."""
+    q, k, v = make_inputs(p, device, requires_grad=True)
+    do = torch.randn_like(q)
+    qi, ki, vi = (t.detach() for t in (q, k, v))
+
+    def fwd(attn: AttnFn) -> Callable[[], None]:
+        def run() -> None:
+            attn(q, k, v)
+        return run
+
+    def fwd_bwd(attn: AttnFn) -> Callable[[], None]:
+        def run() -> None:
+            for t in (q, k, v):  # store the gradients, never add them (as time_fn's reset)
+                t.grad = None
+            torch.autograd.backward(attn(q, k, v), do)
+        return run
+
+    def infer(attn: AttnFn) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                attn(qi, ki, vi)
+        return run
+
+    kinds = {"fwd": fwd, "fwd_bwd": fwd_bwd, "infer": infer}
+    ok: dict[str, AttnFn] = {}
+    for name, attn in attns.items():
+        try:  # the first call of each kind: compiles, and says what cannot run
+            for make in kinds.values():
+                make(attn)()
+        except Exception as e:
+            if errors is not None:
+                errors[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            continue
+        finally:
+            for t in (q, k, v):
+                t.grad = None
+        ok[name] = attn
+    names = list(ok)
+    if not names:
+        return {}
+    got = {kind: time_interleaved([make(ok[n]) for n in names], warmup_ms=warmup_ms,
+                                  rep_ms=rep_ms, rounds=rounds)
+           for kind, make in kinds.items()}
+    out: dict[str, dict[str, Timing]] = {}
+    for i, n in enumerate(names):
+        t_fwd, t_fb = got["fwd"][i], got["fwd_bwd"][i]
+        bwd = Timing(max(t_fb.median_ms - t_fwd.median_ms, 1e-6),
+                     max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6),
+                     max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6), t_fb.interpreter)
+        out[n] = {"fwd": t_fwd, "bwd": bwd, "infer": got["infer"][i]}
+    return out
 
 
 def _sdpa(backend_name: str, p: Problem) -> AttnFn:

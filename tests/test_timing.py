@@ -10,7 +10,13 @@ import torch
 
 from flashtune.autotune.measure import retime
 from flashtune.problem import Problem
-from flashtune.timing import Timing, three_timings, time_fn, time_interleaved
+from flashtune.timing import (
+    Timing,
+    three_timings,
+    three_timings_interleaved,
+    time_fn,
+    time_interleaved,
+)
 
 
 def test_time_fn_resets_the_named_grads_before_each_call() -> None:
@@ -63,6 +69,42 @@ def test_time_interleaved_takes_turns_and_times_each_launch_as_its_own() -> None
         time_interleaved([])
 
 
+def test_three_timings_interleaved_takes_the_implementations_in_turn() -> None:
+    """Each of the three timings runs every implementation in one alternating loop; the
+    backward's calls store fresh gradients; an implementation that cannot run is left out
+    with its reason."""
+    p = Problem(1, 2, 2, 16, 16, 16, "bf16", False)
+    calls: list[tuple[str, str]] = []
+    fresh: list[bool] = []
+
+    def impl(name: str, sleep_ms: float = 0.0):
+        def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kind = "infer" if not torch.is_grad_enabled() else "grad"
+            calls.append((name, kind))
+            if q.requires_grad:
+                fresh.append(q.grad is None and k.grad is None and v.grad is None)
+            if sleep_ms:
+                time.sleep(sleep_ms / 1e3)
+            return q * k.mean() + v
+        return attn
+
+    def broken(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel for this shape")
+
+    errors: dict[str, str] = {}
+    got = three_timings_interleaved({"a": impl("a"), "x": broken, "b": impl("b", 2.0)},
+                                    p, "cpu", errors=errors)
+    assert set(got) == {"a", "b"} and errors == {"x": "RuntimeError: no kernel for this shape"}
+    assert all(set(t) == {"fwd", "bwd", "infer"} for t in got.values())
+    assert got["b"]["fwd"].p20_ms >= 2.0 > got["a"]["fwd"].median_ms  # each its own times
+    assert all(t.interpreter for ts in got.values() for t in ts.values())
+    # After each one's probing calls (3 kinds), the timed loops alternate: a b, b a, ...
+    timed = [n for n, _ in calls[6:]]
+    assert timed[:6] == ["a", "b", "a", "b", "b", "a"]  # fwd: one untimed call each, turns
+    assert [k for _, k in calls].count("infer") >= 2 * 4
+    assert fresh and all(fresh)
+
+
 class _Bench:
     """Records what retime asks of a measuring bench."""
 
@@ -97,3 +139,20 @@ def test_time_interleaved_on_a_gpu_agrees_with_itself_and_scales_with_the_work()
     one, same, double = time_interleaved([lambda: a @ a, lambda: a @ a, lambda: b @ a])
     assert abs(same.median_ms / one.median_ms - 1) < 0.03
     assert 1.6 < double.median_ms / one.median_ms < 2.4
+
+
+@pytest.mark.gpu
+def test_three_timings_interleaved_on_a_gpu_reads_two_copies_alike() -> None:
+    """Two copies of one implementation, timed side by side, read alike in all three
+    timings (the loop gives each the same clocks)."""
+    import torch.nn.functional as F
+
+    p = Problem(4, 16, 16, 2048, 2048, 128, "bf16", True)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    got = three_timings_interleaved({"one": sdpa, "two": sdpa}, p, "cuda")
+    for kind in ("fwd", "bwd", "infer"):
+        a, b = got["one"][kind].median_ms, got["two"][kind].median_ms
+        assert a > 0 and b > 0 and abs(a / b - 1) < 0.05, (kind, a, b)

@@ -59,7 +59,7 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None], rows: list[dict[str, Any]],
-                errors: list[str]) -> bool:
+                errors: list[str], interleave: bool = False) -> bool:
     """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
     True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
@@ -70,7 +70,8 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
         try:
-            timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors)
+            timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
+                                        interleave)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
@@ -88,25 +89,32 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
 
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
-                errors: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Every implementation's three timings of ``p``; one that cannot run it is left out,
-    with its reason in ``errors``."""
+                errors: list[str], interleave: bool = False,
+                ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every implementation's three timings of ``p`` (``interleave``: side by side, see
+    :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
+    cannot run it is left out, with its reason in ``errors``."""
     from flashtune.autotune.sweep import check_interrupted
-    from flashtune.timing import three_timings
+    from flashtune.timing import three_timings, three_timings_interleaved
 
     impls, info = _impls(p, table, interpreter)
     timings: dict[str, dict[str, Any]] = {}
-    for name, fn in impls.items():
-        check_interrupted()
-        try:
-            with warnings.catch_warnings():
-                # SDPA explains at length why a forced backend cannot run a shape; the
-                # error below says it in one line.
-                warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():
+        # SDPA explains at length why a forced backend cannot run a shape; the error
+        # below says it in one line.
+        warnings.simplefilter("ignore", UserWarning)
+        if interleave:
+            failed: dict[str, str] = {}
+            timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms, errors=failed)
+            errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]
+            return timings, info
+        for name, fn in impls.items():
+            check_interrupted()
+            try:
                 timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
-        except Exception as e:  # an anchor that cannot run this shape is left out
-            errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:200]}")
+            except Exception as e:  # an anchor that cannot run this shape is left out
+                errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}")
     return timings, info
 
 
@@ -122,14 +130,18 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="do_bench repetition time per measurement.")
 @click.option("--interpret", is_flag=True,
               help="Run Triton's CPU interpreter (tests and demos; not GPU timings).")
+@click.option("--interleave", is_flag=True,
+              help="Time the implementations side by side, launch by launch, so that all "
+                   "meet the same GPU clocks (default: one after another).")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
-          interpret: bool, db_url: str | None, as_json: bool) -> None:
+          interpret: bool, interleave: bool, db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
-    inference forward, all timed in this process; ratios are ours over each other.
+    inference forward, all timed in this process (with --interleave, side by side: every
+    implementation in one loop per timing); ratios are ours over each other.
     Interrupted (Ctrl-C, SIGTERM), it reports the shapes measured so far, marked as
     interrupted, and exits with 130 / 143; also when the signal finds it waiting on a hung
     kernel (after $FLASHTUNE_SIGNAL_GRACE seconds, default 20).
@@ -143,7 +155,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
 
     # Read up front: a report made while the GPU hangs (see exit_when_stuck) asks it nothing.
     meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
-            "interpreter": interpreter}
+            "interpreter": interpreter, "order": "interleaved" if interleave else "in turn"}
     with clean_errors():
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -168,7 +180,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         try:
             with exit_when_stuck(stuck):
                 interrupted = _bench_rows(problems, table, interpreter, rep_ms,
-                                          lambda m: click.echo(m, err=True), rows, errors)
+                                          lambda m: click.echo(m, err=True), rows, errors,
+                                          interleave)
         finally:
             restore()
     if not _report(rows, errors, len(problems), meta, as_json, interrupted):

@@ -192,6 +192,21 @@ def test_bench_sigterm_before_any_shape_measured_exits_143(tmp_path: Path, monke
     assert "Traceback" not in res.output
 
 
+def test_bench_interleave_times_side_by_side_and_says_so(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--interleave", "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["order"] == "interleaved" and doc["shapes"] == {"measured": 1, "total": 1}
+    assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
+    assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
+    plain = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                      "--shapes", _shapes(tmp_path),
+                                      "--db", str(tmp_path / "none.db")])
+    assert json.loads(plain.stdout)["order"] == "in turn"
+
+
 def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
     """--json keeps stdout one JSON document and still says on stderr which shape it is
     timing, so a run cut by a time limit tells where it was."""
