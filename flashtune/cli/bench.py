@@ -105,7 +105,12 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
         warnings.simplefilter("ignore", UserWarning)
         if interleave:
             failed: dict[str, str] = {}
-            timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms, errors=failed)
+            try:
+                timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms,
+                                                    errors=failed)
+            except Exception as e:  # past every one's first calls: the shape is lost
+                failed[", ".join(impls)] = f"{type(e).__name__}: " \
+                                           f"{' '.join(str(e).split())[:200]}"
             errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]
             return timings, info
         for name, fn in impls.items():
@@ -130,9 +135,10 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="do_bench repetition time per measurement.")
 @click.option("--interpret", is_flag=True,
               help="Run Triton's CPU interpreter (tests and demos; not GPU timings).")
-@click.option("--interleave", is_flag=True,
+@click.option("--interleave/--in-turn", default=True, show_default=True,
               help="Time the implementations side by side, launch by launch, so that all "
-                   "meet the same GPU clocks (default: one after another).")
+                   "meet the same GPU clocks; or one after another, each with do_bench "
+                   "(how benches were timed before the side-by-side order).")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
@@ -140,8 +146,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
-    inference forward, all timed in this process (with --interleave, side by side: every
-    implementation in one loop per timing); ratios are ours over each other.
+    inference forward, all timed in this process, side by side (every implementation in
+    one loop per timing; --in-turn: one after another); ratios are ours over each other.
     Interrupted (Ctrl-C, SIGTERM), it reports the shapes measured so far, marked as
     interrupted, and exits with 130 / 143; also when the signal finds it waiting on a hung
     kernel (after $FLASHTUNE_SIGNAL_GRACE seconds, default 20).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flashtune.cli import main
@@ -121,13 +122,18 @@ def test_bench_fails_when_nothing_could_be_measured(tmp_path: Path, monkeypatch)
         raise RuntimeError("cannot run")
 
     monkeypatch.setattr(flashtune.timing, "three_timings", broken)
-    res = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", _shapes(tmp_path),
-                                    "--db", str(tmp_path / "none.db")])
-    assert res.exit_code == 1 and "every implementation failed" in res.stderr
-    assert "Traceback" not in res.output
+    monkeypatch.setattr(flashtune.timing, "three_timings_interleaved", broken)
+    for order in ("--interleave", "--in-turn"):
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", _shapes(tmp_path),
+                                        order, "--db", str(tmp_path / "none.db")])
+        assert res.exit_code == 1 and "every implementation failed" in res.stderr
+        assert "cannot run" in res.stderr and "Traceback" not in res.output
 
 
-def test_bench_sigterm_keeps_the_shapes_measured_whole(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("order,timer", [("--interleave", "three_timings_interleaved"),
+                                         ("--in-turn", "three_timings")])
+def test_bench_sigterm_keeps_the_shapes_measured_whole(tmp_path: Path, monkeypatch,
+                                                       order: str, timer: str) -> None:
     """A SIGTERM (a job scheduler's, ``timeout``'s) during the second shape's timings: the
     first shape's rows come out as JSON, marked as interrupted, the shape in hand is
     dropped, and the exit status is 143, without a traceback."""
@@ -136,16 +142,16 @@ def test_bench_sigterm_keeps_the_shapes_measured_whole(tmp_path: Path, monkeypat
 
     import flashtune.timing
 
-    real = flashtune.timing.three_timings
+    real = getattr(flashtune.timing, timer)
     seen: list[int] = []
 
-    def timed(fn, p, dev, **kw):
+    def timed(fns, p, dev, **kw):
         seen.append(p.seqlen_q)
         if p.seqlen_q == 48:  # the second shape: a real signal, through the real handler
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(fn, p, dev, **kw)
+        return real(fns, p, dev, **kw)
 
-    monkeypatch.setattr(flashtune.timing, "three_timings", timed)
+    monkeypatch.setattr(flashtune.timing, timer, timed)
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps(TINY + [dict(TINY[0], seqlen=48), dict(TINY[0], seqlen=80)]))
     def unhandled(signum, frame):  # what runs if the bench installed no handler of its own
@@ -153,7 +159,7 @@ def test_bench_sigterm_keeps_the_shapes_measured_whole(tmp_path: Path, monkeypat
 
     before = signal.signal(signal.SIGTERM, unhandled)
     try:
-        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--shapes",
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", order, "--shapes",
                                         str(shapes), "--db", str(tmp_path / "none.db")])
         after = signal.getsignal(signal.SIGTERM)
     finally:
@@ -176,11 +182,11 @@ def test_bench_sigterm_before_any_shape_measured_exits_143(tmp_path: Path, monke
 
     import flashtune.timing
 
-    def timed(fn, p, dev, **kw):
+    def timed(fns, p, dev, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("the signal did not stop the bench")
 
-    monkeypatch.setattr(flashtune.timing, "three_timings", timed)
+    monkeypatch.setattr(flashtune.timing, "three_timings_interleaved", timed)
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # never the default: it kills
     try:
         res = CliRunner().invoke(main, ["bench", "--interpret", "--shapes", _shapes(tmp_path),
@@ -192,19 +198,27 @@ def test_bench_sigterm_before_any_shape_measured_exits_143(tmp_path: Path, monke
     assert "Traceback" not in res.output
 
 
-def test_bench_interleave_times_side_by_side_and_says_so(tmp_path: Path) -> None:
-    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
-                                    "--interleave", "--shapes", _shapes(tmp_path),
-                                    "--db", str(tmp_path / "none.db")])
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert doc["order"] == "interleaved" and doc["shapes"] == {"measured": 1, "total": 1}
-    assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
-    assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
-    plain = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
-                                      "--shapes", _shapes(tmp_path),
-                                      "--db", str(tmp_path / "none.db")])
-    assert json.loads(plain.stdout)["order"] == "in turn"
+def test_bench_times_side_by_side_unless_in_turn_and_says_which(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    import flashtune.timing
+
+    used: list[str] = []
+    for name in ("three_timings", "three_timings_interleaved"):
+        real = getattr(flashtune.timing, name)
+        monkeypatch.setattr(flashtune.timing, name,
+                            lambda *a, _real=real, _name=name, **kw: (used.append(_name),
+                                                                      _real(*a, **kw))[1])
+    for flag, order in (([], "interleaved"), (["--in-turn"], "in turn")):
+        used.clear()
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                        *flag, "--shapes", _shapes(tmp_path),
+                                        "--db", str(tmp_path / "none.db")])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["order"] == order and doc["shapes"] == {"measured": 1, "total": 1}
+        assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
+        assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
+        assert used == (["three_timings"] if flag else ["three_timings_interleaved"])
 
 
 def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
@@ -226,8 +240,8 @@ def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
 _STUCK_BENCH = """
 import signal, sys, time
 import flashtune.timing
-real = flashtune.timing.three_timings
-def timed(fn, p, dev, **kw):
+real = flashtune.timing.three_timings_interleaved
+def timed(fns, p, dev, **kw):
     if p.seqlen_q == 48:
         while True:
             try:
@@ -236,8 +250,8 @@ def timed(fn, p, dev, **kw):
                 time.sleep(600)
             except KeyboardInterrupt:
                 pass
-    return real(fn, p, dev, **kw)
-flashtune.timing.three_timings = timed
+    return real(fns, p, dev, **kw)
+flashtune.timing.three_timings_interleaved = timed
 from flashtune.cli import main
 main(sys.argv[1:])
 """

@@ -1,0 +1,59 @@
+"""Read an `autotune bench --json` file for signs that timing order moved its figures.
+
+A training forward (inputs that require grad, the LSE saved) does at least the work of an
+inference forward of the same implementation and shape, so it should never read faster.
+In a bench timed in turn, each implementation's training forward is its first timing,
+taken right after the previous implementation's timings or an idle GPU (a compile), and
+its inference forward its last. Counts the pairs where the training forward reads more
+than ``--margin`` faster than the inference forward, per implementation, and lists the
+largest. CPU only: it reads committed JSON.
+
+    python3 benchmarks/experiments/bench_order_artifacts.py benchmarks/data/bench_shipped_h200_s31.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bench_json", nargs="+")
+    ap.add_argument("--margin", type=float, default=0.03)
+    ap.add_argument("--top", type=int, default=6)
+    args = ap.parse_args()
+    for path in args.bench_json:
+        with open(path) as f:
+            doc = json.load(f)
+        by_shape: dict[str, dict[str, dict]] = collections.defaultdict(dict)
+        for row in doc["rows"]:
+            by_shape[row["shape"]][row["timing"]] = row
+        over: collections.Counter[str] = collections.Counter()
+        pairs: collections.Counter[str] = collections.Counter()
+        worst = []
+        for shape, rows in by_shape.items():
+            if "fwd" not in rows or "infer" not in rows:
+                continue
+            for impl, train_ms in rows["fwd"]["ms"].items():
+                infer_ms = rows["infer"]["ms"].get(impl)
+                if not infer_ms or not train_ms:
+                    continue
+                pairs[impl] += 1
+                ratio = infer_ms / train_ms  # > 1: the training forward read faster
+                if ratio > 1 + args.margin:
+                    over[impl] += 1
+                    worst.append((ratio, impl, shape))
+        print(f"{path}: order {doc.get('order', 'in turn')}, "
+              f"{doc.get('device', {}).get('name', '?')}")
+        print(f"  training forward > {args.margin:.0%} faster than inference, per impl:")
+        for impl in sorted(pairs):
+            print(f"    {impl:10s} {over[impl]:3d} of {pairs[impl]}")
+        print(f"  total {sum(over.values())} of {sum(pairs.values())}; largest:")
+        for ratio, impl, shape in sorted(worst, reverse=True)[:args.top]:
+            print(f"    {ratio:.3f}  {impl:10s} {shape}")
+
+
+if __name__ == "__main__":
+    main()
