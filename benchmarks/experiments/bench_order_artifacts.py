@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--table", action="store_true",
+                    help="one Markdown row per file: the counts per implementation")
     args = ap.parse_args()
     for path in args.bench_json:
         with open(path) as f:
@@ -45,6 +47,15 @@ def main() -> None:
                 if ratio > 1 + args.margin:
                     over[impl] += 1
                     worst.append((ratio, impl, shape))
+        if args.table:
+            if path == args.bench_json[0]:
+                print("| file | " + " | ".join(sorted(pairs)) + " | largest |")
+                print("|---" * (len(pairs) + 2) + "|")
+            ratio, impl, shape = max(worst, default=(1.0, "-", "-"))
+            print(f"| {path.rsplit('/', 1)[-1]} | "
+                  + " | ".join(f"{over[i]}/{pairs[i]}" for i in sorted(pairs))
+                  + f" | {ratio:.3f} {impl} {shape} |")
+            continue
         print(f"{path}: order {doc.get('order', 'in turn')}, "
               f"{doc.get('device', {}).get('name', '?')}")
         print(f"  training forward > {args.margin:.0%} faster than inference, per impl:")
