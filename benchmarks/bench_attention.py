@@ -4,7 +4,8 @@ For every shape of the standard matrix (or a subset): training forward, backward
 ((fwd+bwd) - fwd) and inference forward of flashtune (heuristic default config, which is
 the Hopper kernel on sm90; the portable kernel's default with ``portable``; the
 dispatcher's choice with --tuned) against SDPA's cuDNN, FA2 and efficient backends and
-compiled FlexAttention, all timed in the same process. Prints a table of TFLOP/s and
+compiled FlexAttention, all timed in the same process, side by side (``--in-turn``: one
+after another). Prints a table of TFLOP/s and
 flashtune/anchor ratios, and the bf16 matmul ceiling measured in the same run; writes
 full JSON with GPU, versions and date.
 
@@ -41,7 +42,13 @@ from flashtune.kernels.config import (
     default_portable_fwd,
 )
 from flashtune.problem import Problem
-from flashtune.timing import anchors, geomean, standard_matrix, three_timings
+from flashtune.timing import (
+    anchors,
+    geomean,
+    standard_matrix,
+    three_timings,
+    three_timings_interleaved,
+)
 
 
 def _label(p: Problem) -> str:
@@ -73,7 +80,8 @@ def bwd_variant_fn(p: Problem, fcfg: FwdConfig, variant: int) -> Any:
 
 
 def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: float,
-                  bwd_variants: tuple[int, ...] = ()) -> dict[str, Any]:
+                  bwd_variants: tuple[int, ...] = (), interleave: bool = True,
+                  ) -> dict[str, Any]:
     fcfg, bcfg = default_fwd(p), default_bwd(p)
     fns: dict[str, Any] = {}
     if "default" in impls:
@@ -95,15 +103,25 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
     row: dict[str, Any] = {"problem": p.as_dict(), "label": _label(p),
                            "fwd_config": repr(fcfg),
                            "flops": {"fwd": p.flops("fwd"), "bwd": p.flops("bwd")}, "impls": {}}
-    for name, fn in fns.items():
-        try:
-            t = three_timings(fn, p, "cuda", warmup_ms=warmup, rep_ms=rep)
-            row["impls"][name] = {
-                "fwd_tflops": t["fwd"].tflops(p.flops("fwd")),
+    def entry(t: dict[str, Any]) -> dict[str, Any]:
+        return {"fwd_tflops": t["fwd"].tflops(p.flops("fwd")),
                 "bwd_tflops": t["bwd"].tflops(p.flops("bwd")),
                 "infer_tflops": t["infer"].tflops(p.flops("fwd")),
-                **{f"{k}_ms": v.median_ms for k, v in t.items()},
-            }
+                **{f"{k}_ms": v.median_ms for k, v in t.items()}}
+
+    if interleave:  # side by side: every implementation meets the same clocks
+        errors: dict[str, str] = {}
+        for name, t in three_timings_interleaved(fns, p, "cuda", warmup_ms=warmup,
+                                                 rep_ms=rep, errors=errors).items():
+            row["impls"][name] = entry(t)
+        for name, e in errors.items():  # an anchor that does not support this shape
+            row["impls"][name] = {"error": e[:200]}
+        torch.cuda.empty_cache()
+        return row
+    for name, fn in fns.items():
+        try:
+            row["impls"][name] = entry(three_timings(fn, p, "cuda", warmup_ms=warmup,
+                                                     rep_ms=rep))
         except Exception as e:  # an anchor that does not support this shape is reported
             row["impls"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             traceback.print_exc(limit=1, file=sys.stderr)
@@ -132,6 +150,9 @@ def main() -> None:
                     help="also time these backward variants (comma list among 0,1,2)")
     ap.add_argument("--warmup", type=float, default=25.0)
     ap.add_argument("--rep", type=float, default=100.0)
+    ap.add_argument("--in-turn", action="store_true",
+                    help="time the implementations one after another (default: side by "
+                         "side, as `autotune bench`)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (interpreter timings are not performance)")
@@ -146,7 +167,8 @@ def main() -> None:
     for p in standard_matrix():
         if only and p.seqlen_q not in only:
             continue
-        row = bench_problem(p, impls, p.seqlen_q in flex_s, args.warmup, args.rep, variants)
+        row = bench_problem(p, impls, p.seqlen_q in flex_s, args.warmup, args.rep, variants,
+                            interleave=not args.in_turn)
         rows.append(row)
         print(json.dumps({"label": row["label"], **{k: {m: round(x, 1) for m, x in v.items()
                                                          if m.endswith("tflops")}
