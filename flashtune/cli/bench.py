@@ -24,12 +24,25 @@ from flashtune.cli._common import (
 )
 
 
+def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[str, str]]:
+    """(the heuristic default (fwd, bwd), {direction: tuned config}, {direction: the layer
+    it came from}): "tuned" is what the dispatcher serves as tuned for the problem's key,
+    the user database over the shipped layer."""
+    from flashtune.kernels.config import default_bwd, default_fwd
+
+    tuned: dict[str, Any] = {}
+    layers: dict[str, str] = {}
+    for d in ("fwd", "bwd"):
+        choice = table.choose(p, d)
+        if choice.source == "tuned":
+            tuned[d], layers[d] = choice.config, choice.layer
+    return (default_fwd(p), default_bwd(p)), tuned, layers
+
+
 def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """({name: attn(q, k, v)}, {"tuned": which directions were tuned, "layers": the layer
-    each tuned config came from}). "tuned" is what the dispatcher serves as tuned for the
-    problem's key: the user database over the shipped layer."""
+    each tuned config came from}); see :func:`_configs`."""
     from flashtune.kernels.attention import flash_attention
-    from flashtune.kernels.config import default_bwd, default_fwd
     from flashtune.kernels.varlen import flash_attn_varlen_func
     from flashtune.timing import anchors, packed_layout
 
@@ -41,13 +54,7 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
             return lambda q, k, v: flash_attn_varlen_func(q, k, v, *layout, **kw)
         return lambda q, k, v: flash_attention(q, k, v, **kw)
 
-    dflt = (default_fwd(p), default_bwd(p))
-    tuned: dict[str, Any] = {}
-    layers: dict[str, str] = {}
-    for d in ("fwd", "bwd"):
-        choice = table.choose(p, d)
-        if choice.source == "tuned":
-            tuned[d], layers[d] = choice.config, choice.layer
+    dflt, tuned, layers = _configs(p, table)
     impls: dict[str, Any] = {}
     if tuned:
         impls["tuned"] = ours(tuned.get("fwd", dflt[0]), tuned.get("bwd", dflt[1]))
@@ -55,6 +62,59 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
     if not interpreter:
         impls.update(anchors(p))
     return impls, {"tuned": sorted(tuned), "layers": layers}
+
+
+def compile_jobs(problems: list[Any], table: Any) -> list[tuple[Any, str, dict[str, Any]]]:
+    """Every flashtune kernel build the bench will ask for, in the order it will: (problem,
+    direction, config as a dict) for the tuned and the default config of each shape, each
+    build once."""
+    from flashtune.kernels.config import config_to_dict
+
+    jobs: list[tuple[Any, str, dict[str, Any]]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for p in problems:
+        dflt, tuned, _ = _configs(p, table)
+        for i, d in enumerate(("fwd", "bwd")):
+            for cfg in (tuned.get(d), dflt[i]):
+                if cfg is None:
+                    continue
+                as_dict = config_to_dict(cfg)
+                key = (p, d, json.dumps(as_dict, sort_keys=True))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((p, d, as_dict))
+    return jobs
+
+
+def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]) -> None:
+    """Build every shape's flashtune kernels on a pool of compile processes before any
+    timing (:mod:`flashtune.autotune._compile`: compile only, into Triton's on-disk cache,
+    where the timed calls then load them). On a cold cache, compiling one shape after
+    another left the GPU idle for most of a bench. The GPU idles here too, but once, and
+    no compile competes with a timing for the host's cores. A build that fails here is
+    left for the timed call, which reports it."""
+    import os
+    import time
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from flashtune.autotune._compile import CompilePool
+    from flashtune.autotune.sweep import check_interrupted
+
+    jobs = compile_jobs(problems, table)
+    if not jobs:
+        return
+    n = max(1, min(14, (os.cpu_count() or 2) - 2, len(jobs)))
+    progress(f"compiling {len(jobs)} kernel configs on {n} processes")
+    t0 = time.perf_counter()
+    pool = CompilePool(n)
+    try:
+        left = {pool.submit(p.as_dict(), d, cfg) for p, d, cfg in jobs}
+        while left:
+            _, left = wait(left, timeout=1.0, return_when=FIRST_COMPLETED)
+            check_interrupted()  # an interrupt lost in a callback still stops here
+    finally:
+        pool.close()
+    progress(f"compiled in {time.perf_counter() - t0:.0f} s")
 
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
@@ -139,10 +199,14 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="Time the implementations side by side, launch by launch, so that all "
                    "meet the same GPU clocks; or one after another, each with do_bench "
                    "(how benches were timed before the side-by-side order).")
+@click.option("--precompile/--no-precompile", default=True, show_default=True,
+              help="On a GPU, build every shape's flashtune kernels in parallel processes "
+                   "before timing, rather than each at its shape's first call.")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
-          interpret: bool, interleave: bool, db_url: str | None, as_json: bool) -> None:
+          interpret: bool, interleave: bool, precompile: bool, db_url: str | None,
+          as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -184,10 +248,17 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         # cut by a time limit then says which shape it was timing.
         restore = interrupt_on_sigterm()
         try:
+            def say(message: str) -> None:
+                click.echo(message, err=True)
+
             with exit_when_stuck(stuck):
-                interrupted = _bench_rows(problems, table, interpreter, rep_ms,
-                                          lambda m: click.echo(m, err=True), rows, errors,
-                                          interleave)
+                try:
+                    if precompile and not interpreter:
+                        _precompile(problems, table, say)
+                    interrupted = _bench_rows(problems, table, interpreter, rep_ms, say,
+                                              rows, errors, interleave)
+                except KeyboardInterrupt:  # during the compiles: nothing measured
+                    interrupted = True
         finally:
             restore()
     if not _report(rows, errors, len(problems), meta, as_json, interrupted):

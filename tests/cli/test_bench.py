@@ -298,3 +298,64 @@ def test_bench_sigterm_while_the_main_thread_is_stuck_reports_and_exits(
     assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
     assert all(r["problem"]["seqlen_q"] == 64 and r["tflops"]["default"] > 0
                for r in doc["rows"])
+
+
+def test_the_compile_jobs_are_each_shapes_tuned_and_default_configs_once(
+        tmp_path: Path) -> None:
+    """What the bench builds ahead of its timings on a GPU (--precompile): per shape, the
+    tuned config of each tuned direction and the default of both, in the order the timed
+    calls will ask for them, each (shape, direction, config) once."""
+    from flashtune.autotune.presets import load_shapes
+    from flashtune.cli.bench import compile_jobs
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.dispatch._table import load_table
+    from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(TINY + [dict(TINY[0], causal=True), TINY[0]]))
+    problems = load_shapes(str(shapes))
+    p0, p1 = problems[0], problems[1]
+    tuned = dict(config_to_dict(default_fwd(p0)), block_n=16)
+    assert tuned != config_to_dict(default_fwd(p0))
+    db = tmp_path / "t.db"
+    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                  trials=1, search_seconds=1.0)
+    with open_storage(db) as st:
+        st.put_result(device_info(), software_info(), p0.key("fwd"), tuned, problem=p0,
+                      **timing)
+        # p1's tuned backward is its default: one build
+        st.put_result(device_info(), software_info(), p1.key("bwd"),
+                      config_to_dict(default_bwd(p1)), problem=p1, **timing)
+    table = load_table(device_info(), str(db))
+    jobs = [(p, d, cfg) for p, d, cfg in compile_jobs(problems, table)]
+    assert jobs == [
+        (p0, "fwd", tuned), (p0, "fwd", config_to_dict(default_fwd(p0))),
+        (p0, "bwd", config_to_dict(default_bwd(p0))),
+        (p1, "fwd", config_to_dict(default_fwd(p1))),
+        (p1, "bwd", config_to_dict(default_bwd(p1))),
+    ]  # the third shape repeats the first: nothing more to build
+
+
+@pytest.mark.gpu
+def test_bench_on_a_gpu_builds_the_kernels_ahead_then_times(tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """--precompile (the default) on a cold Triton cache: a pool builds the shapes' kernels,
+    then the timings run, side by side with the anchors."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([
+        {"batch": 2, "heads": 4, "seqlen": 256, "head_dim": 64, "causal": True},
+        {"batch": 1, "heads": 4, "seqlen": 384, "head_dim": 128}]))
+    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", "--shapes",
+                                    str(shapes), "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    import re
+
+    built = re.search(r"compiling (\d+) kernel configs on \d+ processes", res.stderr)
+    assert built and int(built.group(1)) >= 4, res.stderr  # the defaults (and any tuned)
+    doc = json.loads(res.stdout)
+    assert doc["order"] == "interleaved" and doc["shapes"] == {"measured": 2, "total": 2}
+    assert all(r["tflops"]["default"] > 0 and r["tflops"].get("cudnn", 1) > 0
+               for r in doc["rows"])
+    assert any(f.is_file() for f in (tmp_path / "triton").rglob("*"))
