@@ -8,7 +8,10 @@ its inference forward its last. Counts the pairs where the training forward read
 than ``--margin`` faster than the inference forward, per implementation, and lists the
 largest. CPU only: it reads committed JSON.
 
-    python3 benchmarks/experiments/bench_order_artifacts.py benchmarks/data/bench_shipped_h200_s31.json
+    python3 benchmarks/experiments/bench_order_artifacts.py \
+        benchmarks/data/bench_shipped_h200_s31.json \
+        --compare benchmarks/data/compare_shipped_h200_s31.json
+    python3 benchmarks/experiments/bench_order_artifacts.py --table benchmarks/data/bench_*.json
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ def main() -> None:
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--compare", default=None,
+                    help="a compare_shipped.py JSON of the (one) bench file: the correlation "
+                         "of the tuned forward's inference/training time ratio with its "
+                         "bench/sweep ratio over the same-shape forward rows")
     ap.add_argument("--table", action="store_true",
                     help="one Markdown row per file: the counts per implementation")
     args = ap.parse_args()
@@ -64,6 +71,30 @@ def main() -> None:
         print(f"  total {sum(over.values())} of {sum(pairs.values())}; largest:")
         for ratio, impl, shape in sorted(worst, reverse=True)[:args.top]:
             print(f"    {ratio:.3f}  {impl:10s} {shape}")
+        if args.compare:
+            _correlate(by_shape, args.compare)
+
+
+def _correlate(by_shape: dict[str, dict[str, dict]], compare_path: str) -> None:
+    """Whether the rows whose tuned training forward read fast (against its own inference)
+    are the rows where the bench read faster than the sweep's stored figure."""
+    import statistics
+
+    with open(compare_path) as f:
+        compare = json.load(f)
+    xs, ys = [], []
+    for row in compare["rows"]:
+        rows = by_shape.get(row["shape"], {})
+        if row["direction"] != "fwd" or not row["same_shape"] or "infer" not in rows:
+            continue
+        train, infer = rows["fwd"]["ms"].get("tuned"), rows["infer"]["ms"].get("tuned")
+        if train and infer:
+            xs.append(infer / train)
+            ys.append(row["ratio"])  # the bench's ms over the sweep's
+    if len(xs) > 2:
+        print(f"  {compare_path}: {len(xs)} forward rows; correlation of the tuned "
+              f"inference/training ratio with bench/sweep: "
+              f"{statistics.correlation(xs, ys):+.2f}")
 
 
 if __name__ == "__main__":
