@@ -24,6 +24,30 @@ from flashtune.cli._common import (
 )
 
 
+class Part(click.ParamType):
+    """``K/N``: the K-th (1-based) of N slices of a shape set (:meth:`select`)."""
+
+    name = "K/N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None,
+                ) -> Any:
+        if isinstance(value, tuple):
+            return value
+        k, sep, n = str(value).partition("/")
+        if not (sep and k.strip().isdigit() and n.strip().isdigit()
+                and 1 <= int(k) <= int(n) <= 1000):
+            self.fail(f"{value!r} is not K/N with 1 <= K <= N <= 1000 (e.g. 1/2)", param, ctx)
+        return int(k), int(n)
+
+    @staticmethod
+    def select(items: list[Any], k: int, n: int) -> list[Any]:
+        """The K-th of N consecutive slices whose sizes differ by at most one (the first
+        ones the larger); together they hold every item once, in order."""
+        size, extra = divmod(len(items), n)
+        start = (k - 1) * size + min(k - 1, extra)
+        return items[start:start + size + (k <= extra)]
+
+
 def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[str, str]]:
     """(the heuristic default (fwd, bwd), {direction: tuned config}, {direction: the layer
     it came from}): "tuned" is what the dispatcher serves as tuned for the problem's key,
@@ -199,14 +223,18 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="Time the implementations side by side, launch by launch, so that all "
                    "meet the same GPU clocks; or one after another, each with do_bench "
                    "(how benches were timed before the side-by-side order).")
+@click.option("--part", type=Part(), default=None, metavar="K/N",
+              help="Only the K-th of N equal consecutive slices of the shape set, to split "
+                   "a bench across jobs with time limits (merge the --json outputs with "
+                   "benchmarks/merge_bench.py).")
 @click.option("--precompile/--no-precompile", default=True, show_default=True,
               help="On a GPU, build every shape's flashtune kernels in parallel processes "
                    "before timing, rather than each at its shape's first call.")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
-          interpret: bool, interleave: bool, precompile: bool, db_url: str | None,
-          as_json: bool) -> None:
+          interpret: bool, interleave: bool, part: tuple[int, int] | None, precompile: bool,
+          db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -218,6 +246,12 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
+    if part is not None:
+        total = len(problems)
+        problems = Part.select(problems, *part)
+        if not problems:
+            raise click.UsageError(f"--part {part[0]}/{part[1]}: the shape set has only "
+                                   f"{total} shapes, so this part is empty")
     from flashtune._env import database_url
     from flashtune.autotune.sweep import interrupt_on_sigterm, interrupted_status
     from flashtune.db.fingerprint import device_info, software_info
@@ -225,7 +259,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
 
     # Read up front: a report made while the GPU hangs (see exit_when_stuck) asks it nothing.
     meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
-            "interpreter": interpreter, "order": "interleaved" if interleave else "in turn"}
+            "interpreter": interpreter, "order": "interleaved" if interleave else "in turn",
+            **({"part": f"{part[0]}/{part[1]}"} if part else {})}
     with clean_errors():
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -271,8 +306,6 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
     ``meta``: device, software, interpreter), the geomeans and the errors; False when
     interrupted (the command then exits with the signal's status). A ClickException when
     nothing at all was measured."""
-    from flashtune.timing import geomean
-
     done = len(rows) // 3  # three timings (rows) per shape measured
     if interrupted:
         click.echo(f"interrupted: {done} of {total} shapes measured; the results "
@@ -284,10 +317,7 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
             click.echo(f"failed {e}", err=True)
         raise click.ClickException("every implementation failed on every shape: nothing "
                                    "was measured")
-    names = sorted({r for row in rows for r in row["ratios"]})
-    summary = {kind: {n: geomean([row["ratios"][n] for row in rows
-                                  if row["timing"] == kind and n in row["ratios"]])
-                      for n in names} for kind in ("fwd", "bwd", "infer")}
+    summary = geomean_ratios(rows)
     if as_json:
         import datetime
 
@@ -306,6 +336,44 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
         for e in errors:
             click.echo(f"skipped {e}", err=True)
     return not interrupted
+
+
+def geomean_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{timing: {ratio name: geometric mean over the rows of that timing}}."""
+    from flashtune.timing import geomean
+
+    names = sorted({r for row in rows for r in row["ratios"]})
+    return {kind: {n: geomean([row["ratios"][n] for row in rows
+                               if row["timing"] == kind and n in row["ratios"]])
+                   for n in names} for kind in ("fwd", "bwd", "infer")}
+
+
+def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bench document from the ``--json`` documents of ``--part 1/N`` .. ``N/N`` (or
+    any benches of one device, software and order): rows and errors in order, the
+    geomeans recomputed over all rows. ValueError when they cannot be one bench."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    first = docs[0]
+    for field in ("device", "software", "interpreter", "order"):
+        values = {json.dumps(d.get(field), sort_keys=True) for d in docs}
+        if len(values) > 1:
+            raise ValueError(f"the parts differ in {field}: {sorted(values)}; one bench "
+                             "is measured on one device, software and order")
+    rows = [row for d in docs for row in d["rows"]]
+    shapes = [row["shape"] for row in rows if row["timing"] == "fwd"]
+    twice = sorted({s for s in shapes if shapes.count(s) > 1})
+    if twice:
+        raise ValueError(f"shapes measured in more than one part: {twice}")
+    return {**{k: first[k] for k in ("device", "software", "interpreter", "order")
+               if k in first},
+            "date": max(d["date"] for d in docs), "rows": rows,
+            "geomean_ratios": geomean_ratios(rows),
+            "errors": [e for d in docs for e in d.get("errors", [])],
+            "shapes": {"measured": sum(d["shapes"]["measured"] for d in docs),
+                       "total": sum(d["shapes"]["total"] for d in docs)},
+            "interrupted": any(d.get("interrupted") for d in docs),
+            "parts": [d.get("part") for d in docs]}
 
 
 _IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")

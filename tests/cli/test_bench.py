@@ -359,3 +359,53 @@ def test_bench_on_a_gpu_builds_the_kernels_ahead_then_times(tmp_path: Path,
     assert all(r["tflops"]["default"] > 0 and r["tflops"].get("cudnn", 1) > 0
                for r in doc["rows"])
     assert any(f.is_file() for f in (tmp_path / "triton").rglob("*"))
+
+
+def test_part_slices_cover_the_shape_set_once_in_order() -> None:
+    from flashtune.cli.bench import Part
+
+    for total in range(0, 12):
+        items = list(range(total))
+        for n in range(1, 6):
+            slices = [Part.select(items, k, n) for k in range(1, n + 1)]
+            assert [x for s in slices for x in s] == items
+            assert max(map(len, slices)) - min(map(len, slices)) <= 1
+
+
+def test_bench_parts_merge_into_the_whole_bench(tmp_path: Path) -> None:
+    """Three shapes benched as --part 1/2 and 2/2 (two shapes, then one) merge into one
+    document of the three, whose geomeans are recomputed over all rows; parts of another
+    order, or a shape benched twice, are refused."""
+    from flashtune.cli.bench import geomean_ratios, merge_parts
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(TINY + [dict(TINY[0], seqlen=48), dict(TINY[0], seqlen=80)]))
+    db = str(tmp_path / "t.db")
+    sweep = CliRunner().invoke(main, ["sweep", "--interpret", "--shapes", str(shapes),
+                                      "--direction", "fwd", "--trials", "1", "--db", db])
+    assert sweep.exit_code == 0, sweep.output
+    docs = []
+    for part in ("1/2", "2/2"):
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                        "--part", part, "--shapes", str(shapes), "--db", db])
+        assert res.exit_code == 0, res.output
+        docs.append(json.loads(res.stdout))
+    assert [d["part"] for d in docs] == ["1/2", "2/2"]
+    assert [d["shapes"] for d in docs] == [{"measured": 2, "total": 2},
+                                           {"measured": 1, "total": 1}]
+    merged = merge_parts(docs)
+    assert [r["problem"]["seqlen_q"] for r in merged["rows"] if r["timing"] == "fwd"] == \
+        [64, 48, 80]
+    assert merged["shapes"] == {"measured": 3, "total": 3}
+    assert merged["geomean_ratios"] == geomean_ratios(merged["rows"])
+    assert merged["geomean_ratios"]["fwd"]["tuned/default"] > 0
+    with pytest.raises(ValueError, match="differ in order"):
+        merge_parts([docs[0], dict(docs[1], order="in turn")])
+    with pytest.raises(ValueError, match="more than one part"):
+        merge_parts([docs[0], docs[0]])
+    bad = CliRunner().invoke(main, ["bench", "--interpret", "--part", "4/4", "--shapes",
+                                    str(shapes), "--db", db])
+    assert bad.exit_code == 2 and "only 3 shapes" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--interpret", "--part", "3/2", "--shapes",
+                                    str(shapes), "--db", db])
+    assert bad.exit_code == 2 and "1 <= K <= N" in bad.output

@@ -1,0 +1,45 @@
+"""Merge the ``--json`` outputs of ``autotune bench --part 1/N`` .. ``N/N`` into one bench
+document: rows in order, geomeans recomputed over all rows (``merge_parts`` in
+``flashtune/cli/bench.py``). Refuses parts of different devices, software or timing
+orders, and a shape measured twice. CPU only: it reads files.
+
+    autotune bench --preset standard --part 1/2 --json > a.json   # one job
+    autotune bench --preset standard --part 2/2 --json > b.json   # another
+    python3 benchmarks/merge_bench.py a.json b.json --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flashtune.cli.bench import merge_parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parts", nargs="+")
+    ap.add_argument("--out", default="-")
+    args = ap.parse_args()
+    docs = []
+    for path in args.parts:
+        with open(path) as f:
+            docs.append(json.load(f))
+    try:
+        merged = merge_parts(docs)
+    except ValueError as e:
+        sys.exit(f"merge_bench.py: {e}")
+    text = json.dumps(merged, indent=2, sort_keys=True)
+    if args.out == "-":
+        print(text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    for kind, ratios in merged["geomean_ratios"].items():
+        shown = "  ".join(f"{n} {v:.3f}x" for n, v in ratios.items() if v == v)
+        print(f"geomean {kind}: {shown}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
