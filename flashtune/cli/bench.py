@@ -257,11 +257,12 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.dispatch._table import load_table
 
-    # Read up front: a report made while the GPU hangs (see exit_when_stuck) asks it nothing.
-    meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
-            "interpreter": interpreter, "order": "interleaved" if interleave else "in turn",
-            **({"part": f"{part[0]}/{part[1]}"} if part else {})}
     with clean_errors():
+        # Read up front: a report made while the GPU hangs (exit_when_stuck) asks it nothing.
+        meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
+                "interpreter": interpreter,
+                "order": "interleaved" if interleave else "in turn",
+                **({"part": f"{part[0]}/{part[1]}"} if part else {})}
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
             # --db, else $FLASHTUNE_DB, else the default place; missing: nothing tuned yet
