@@ -101,7 +101,9 @@ def _check_after_kill(url: str, low: int, high: int) -> None:
 @pytest.mark.parametrize("victim", [_die_mid_transaction, _write_until_killed])
 def test_killed_writer_leaves_every_committed_row(db_url: str, victim: Any) -> None:
     open_storage(db_url).close()
-    committed, ready = _fork.Value("i", 0), _fork.Event()
+    # Without a lock: the writer is killed at any instant, and a Value's lock that the kill
+    # caught held would hang this process's read of it for ever (seen in CI).
+    committed, ready = _fork.Value("i", 0, lock=False), _fork.Event()
     p = _fork.Process(target=victim, args=(db_url, committed, ready))
     p.start()
     assert ready.wait(60), "the writer never got going"
