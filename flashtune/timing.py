@@ -287,10 +287,20 @@ def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
             attn(qi, ki, vi)
 
     t_inf = time_fn(infer, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    bwd = Timing(max(t_fb.median_ms - t_fwd.median_ms, 1e-6),
-                 max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6), max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6),
-                 t_fb.interpreter)
-    return {"fwd": t_fwd, "bwd": bwd, "infer": t_inf}
+    return {"fwd": t_fwd, "bwd": _backward(t_fwd, t_fb), "infer": t_inf}
+
+
+def _backward(t_fwd: Timing, t_fb: Timing) -> Timing:
+    """The backward's timing: (forward+backward) - forward, quantile by quantile."""
+    return Timing(max(t_fb.median_ms - t_fwd.median_ms, 1e-6),
+                  max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6), max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6),
+                  t_fb.interpreter)
+
+
+def error_text(e: BaseException, limit: int = 200) -> str:
+    """``e`` in one line: its type and the start of its message (an implementation that
+    cannot run a shape, in a benchmark's errors)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:limit]}"
 
 
 def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
@@ -337,7 +347,7 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
                 make(attn)()
         except Exception as e:
             if errors is not None:
-                errors[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                errors[name] = error_text(e)
             continue
         finally:
             for t in (q, k, v):
@@ -351,11 +361,8 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
            for kind, make in kinds.items()}
     out: dict[str, dict[str, Timing]] = {}
     for i, n in enumerate(names):
-        t_fwd, t_fb = got["fwd"][i], got["fwd_bwd"][i]
-        bwd = Timing(max(t_fb.median_ms - t_fwd.median_ms, 1e-6),
-                     max(t_fb.p20_ms - t_fwd.p20_ms, 1e-6),
-                     max(t_fb.p80_ms - t_fwd.p80_ms, 1e-6), t_fb.interpreter)
-        out[n] = {"fwd": t_fwd, "bwd": bwd, "infer": got["infer"][i]}
+        out[n] = {"fwd": got["fwd"][i], "bwd": _backward(got["fwd"][i], got["fwd_bwd"][i]),
+                  "infer": got["infer"][i]}
     return out
 
 

@@ -179,7 +179,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
     :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
     cannot run it is left out, with its reason in ``errors``."""
     from flashtune.autotune.sweep import check_interrupted
-    from flashtune.timing import three_timings, three_timings_interleaved
+    from flashtune.timing import error_text, three_timings, three_timings_interleaved
 
     impls, info = _impls(p, table, interpreter)
     timings: dict[str, dict[str, Any]] = {}
@@ -193,8 +193,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
                 timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms,
                                                     errors=failed)
             except Exception as e:  # past every one's first calls: the shape is lost
-                failed[", ".join(impls)] = f"{type(e).__name__}: " \
-                                           f"{' '.join(str(e).split())[:200]}"
+                failed[", ".join(impls)] = error_text(e)
             errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]
             return timings, info
         for name, fn in impls.items():
@@ -202,8 +201,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
             try:
                 timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
             except Exception as e:  # an anchor that cannot run this shape is left out
-                errors.append(f"{shape_label(p)}: {name}: {type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]}")
+                errors.append(f"{shape_label(p)}: {name}: {error_text(e)}")
     return timings, info
 
 
