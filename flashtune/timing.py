@@ -14,16 +14,33 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flashtune._env import torch_dtype
 from flashtune.problem import Problem
 
+if TYPE_CHECKING:
+    from flashtune.gpu_clocks import ClockSampler
+
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@contextmanager
+def _clocks(sampler: ClockSampler | None, log: dict[str, Any] | None, key: str,
+            ) -> Iterator[None]:
+    """Record in ``log[key]`` the summary of the GPU clocks sampled while the block runs
+    (:mod:`flashtune.gpu_clocks`); nothing without a sampler or a log."""
+    if sampler is None or log is None:
+        yield
+        return
+    with sampler.window() as w:
+        yield
+    log[key] = w.summary()
 
 
 @dataclass(frozen=True)
@@ -266,8 +283,12 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
 
 
 def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
-                  warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, Timing]:
-    """{'fwd': training forward, 'bwd': (fwd+bwd) - fwd, 'infer': inference forward}."""
+                  warmup_ms: float = 25, rep_ms: float = 100,
+                  clocks: ClockSampler | None = None, clock_log: dict[str, Any] | None = None,
+                  ) -> dict[str, Timing]:
+    """{'fwd': training forward, 'bwd': (fwd+bwd) - fwd, 'infer': inference forward}.
+    With ``clocks`` and ``clock_log``, the GPU clocks during each of the three do_bench
+    runs go to ``clock_log['fwd' | 'fwd_bwd' | 'infer']``."""
     q, k, v = make_inputs(p, device, requires_grad=True)
     do = torch.randn_like(q)
 
@@ -278,15 +299,18 @@ def three_timings(attn: AttnFn, p: Problem, device: torch.device | str, *,
         o = attn(q, k, v)
         torch.autograd.backward(o, do)
 
-    t_fwd = time_fn(fwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    t_fb = time_fn(fwd_bwd, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=(q, k, v))
+    with _clocks(clocks, clock_log, "fwd"):
+        t_fwd = time_fn(fwd, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    with _clocks(clocks, clock_log, "fwd_bwd"):
+        t_fb = time_fn(fwd_bwd, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=(q, k, v))
     qi, ki, vi = (t.detach() for t in (q, k, v))
 
     def infer() -> None:
         with torch.no_grad():
             attn(qi, ki, vi)
 
-    t_inf = time_fn(infer, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    with _clocks(clocks, clock_log, "infer"):
+        t_inf = time_fn(infer, warmup_ms=warmup_ms, rep_ms=rep_ms)
     return {"fwd": t_fwd, "bwd": _backward(t_fwd, t_fb), "infer": t_inf}
 
 
@@ -307,6 +331,8 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
                               device: torch.device | str, *, warmup_ms: float = 25,
                               rep_ms: float = 100, rounds: int = 1,
                               errors: dict[str, str] | None = None,
+                              clocks: ClockSampler | None = None,
+                              clock_log: dict[str, Any] | None = None,
                               ) -> dict[str, dict[str, Timing]]:
     """:func:`three_timings` of several implementations side by side: each of the three
     timings runs every implementation in one loop (:func:`time_interleaved`: in turn, L2
@@ -316,7 +342,9 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     final re-timing disagreed with itself").
 
     Every implementation shares one set of inputs. One that fails its first call in any
-    of the three is left out, with its error in ``errors`` (name: text)."""
+    of the three is left out, with its error in ``errors`` (name: text). With ``clocks``
+    and ``clock_log``, the GPU clocks during each timing's loop (after the first calls)
+    go to ``clock_log['fwd' | 'fwd_bwd' | 'infer']``."""
     q, k, v = make_inputs(p, device, requires_grad=True)
     do = torch.randn_like(q)
     qi, ki, vi = (t.detach() for t in (q, k, v))
@@ -356,9 +384,11 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     names = list(ok)
     if not names:
         return {}
-    got = {kind: time_interleaved([make(ok[n]) for n in names], warmup_ms=warmup_ms,
-                                  rep_ms=rep_ms, rounds=rounds)
-           for kind, make in kinds.items()}
+    got: dict[str, list[Timing]] = {}
+    for kind, make in kinds.items():
+        with _clocks(clocks, clock_log, kind):
+            got[kind] = time_interleaved([make(ok[n]) for n in names], warmup_ms=warmup_ms,
+                                         rep_ms=rep_ms, rounds=rounds)
     out: dict[str, dict[str, Timing]] = {}
     for i, n in enumerate(names):
         out[n] = {"fwd": got["fwd"][i], "bwd": _backward(got["fwd"][i], got["fwd_bwd"][i]),

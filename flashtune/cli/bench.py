@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import warnings
@@ -143,11 +144,16 @@ def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None], rows: list[dict[str, Any]],
-                errors: list[str], interleave: bool = False) -> bool:
+                errors: list[str], interleave: bool = False, clocks: Any = None) -> bool:
     """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
     True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
-    timings: the shapes measured whole are kept, the one in hand is dropped."""
+    timings: the shapes measured whole are kept, the one in hand is dropped.
+
+    With a :class:`~flashtune.gpu_clocks.ClockSampler` (``clocks``), each row also says
+    at what GPU clocks it was timed: ``"clocks"`` maps "all" (side by side: one loop for
+    every implementation) or each implementation's name (in turn) to the summary of the
+    samples read during that timing (for the backward row: the forward+backward's)."""
     from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
@@ -155,7 +161,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
-                                        interleave)
+                                        interleave, clocks)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
@@ -164,25 +170,32 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
             flops = p.flops("bwd" if kind == "bwd" else "fwd")
             tf = {n: t[kind].tflops(flops) for n, t in timings.items()}
             ms = {n: t[kind].median_ms for n, t in timings.items()}
-            shape_rows.append({"problem": p.as_dict(), "shape": shape_label(p),
-                               "timing": kind, "tflops": tf, "ms": ms, "ratios": _ratios(tf),
-                               "tuned_directions": info["tuned"],
-                               "tuned_layers": info["layers"]})
+            row = {"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
+                   "tflops": tf, "ms": ms, "ratios": _ratios(tf),
+                   "tuned_directions": info["tuned"], "tuned_layers": info["layers"]}
+            if clocks is not None:
+                run = "fwd_bwd" if kind == "bwd" else kind
+                row["clocks"] = {n: log.get(run) for n, log in info["clocks"].items()
+                                 if n == "all" or n in timings}
+            shape_rows.append(row)
         rows += shape_rows  # one step: a report from another thread sees whole shapes
     return False
 
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
-                errors: list[str], interleave: bool = False,
+                errors: list[str], interleave: bool = False, clocks: Any = None,
                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every implementation's three timings of ``p`` (``interleave``: side by side, see
     :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
-    cannot run it is left out, with its reason in ``errors``."""
+    cannot run it is left out, with its reason in ``errors``. ``info["clocks"]``: the
+    clock logs of the timings (see :func:`_bench_rows`)."""
     from flashtune.autotune.sweep import check_interrupted
     from flashtune.timing import error_text, three_timings, three_timings_interleaved
 
     impls, info = _impls(p, table, interpreter)
     timings: dict[str, dict[str, Any]] = {}
+    logs: dict[str, dict[str, Any]] = {}
+    info["clocks"] = logs
     with warnings.catch_warnings():
         # SDPA explains at length why a forced backend cannot run a shape; the error
         # below says it in one line.
@@ -191,7 +204,8 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
             failed: dict[str, str] = {}
             try:
                 timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms,
-                                                    errors=failed)
+                                                    errors=failed, clocks=clocks,
+                                                    clock_log=logs.setdefault("all", {}))
             except Exception as e:  # past every one's first calls: the shape is lost
                 failed[", ".join(impls)] = error_text(e)
             errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]
@@ -199,7 +213,8 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
         for name, fn in impls.items():
             check_interrupted()
             try:
-                timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms)
+                timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms, clocks=clocks,
+                                              clock_log=logs.setdefault(name, {}))
             except Exception as e:  # an anchor that cannot run this shape is left out
                 errors.append(f"{shape_label(p)}: {name}: {error_text(e)}")
     return timings, info
@@ -238,6 +253,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
     inference forward, all timed in this process, side by side (every implementation in
     one loop per timing; --in-turn: one after another); ratios are ours over each other.
+    On a GPU, --json rows also give the SM clocks and power each timing ran at (NVML).
     Interrupted (Ctrl-C, SIGTERM), it reports the shapes measured so far, marked as
     interrupted, and exits with 130 / 143; also when the signal finds it waiting on a hung
     kernel (after $FLASHTUNE_SIGNAL_GRACE seconds, default 20).
@@ -269,6 +285,17 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
             raise click.ClickException(f"cannot use the tuning database: {table.error}")
         rows: list[dict[str, Any]] = []
         errors: list[str] = []
+        sampler = None
+        if not interpreter:
+            import torch
+
+            from flashtune.gpu_clocks import ClockSampler
+
+            sampler = ClockSampler.for_cuda_device(torch.cuda.current_device())
+            meta["clocks"] = ("sampled with NVML every 20 ms" if sampler.available
+                              else f"not sampled: {sampler.reason}")
+            if not sampler.available:
+                sampler = None
 
         def stuck(signum: int) -> int:  # the main thread never answered the signal
             try:
@@ -289,8 +316,11 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                 try:
                     if precompile and not interpreter:
                         _precompile(problems, table, say)
-                    interrupted = _bench_rows(problems, table, interpreter, rep_ms, say,
-                                              rows, errors, interleave)
+                    with sampler or contextlib.nullcontext():
+                        interrupted = _bench_rows(problems, table, interpreter, rep_ms,
+                                                  say, rows, errors, interleave, sampler)
+                    if sampler is not None and sampler.error:
+                        meta["clocks"] = f"{meta['clocks']}; sampling stopped: {sampler.error}"
                 except KeyboardInterrupt:  # during the compiles: nothing measured
                     interrupted = True
         finally:
@@ -364,7 +394,7 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     twice = sorted({s for s in shapes if shapes.count(s) > 1})
     if twice:
         raise ValueError(f"shapes measured in more than one part: {twice}")
-    return {**{k: first[k] for k in ("device", "software", "interpreter", "order")
+    return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "clocks")
                if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),

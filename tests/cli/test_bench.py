@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -341,13 +342,14 @@ def test_the_compile_jobs_are_each_shapes_tuned_and_default_configs_once(
 def test_bench_on_a_gpu_builds_the_kernels_ahead_then_times(tmp_path: Path,
                                                             monkeypatch) -> None:
     """--precompile (the default) on a cold Triton cache: a pool builds the shapes' kernels,
-    then the timings run, side by side with the anchors."""
+    then the timings run, side by side with the anchors, with the GPU clocks sampled."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps([
         {"batch": 2, "heads": 4, "seqlen": 256, "head_dim": 64, "causal": True},
         {"batch": 1, "heads": 4, "seqlen": 384, "head_dim": 128}]))
-    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", "--shapes",
+    # 25 ms per implementation and timing: loops long enough for several 20 ms samples
+    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "25", "--shapes",
                                     str(shapes), "--db", str(tmp_path / "none.db")])
     assert res.exit_code == 0, res.output
     import re
@@ -359,6 +361,11 @@ def test_bench_on_a_gpu_builds_the_kernels_ahead_then_times(tmp_path: Path,
     assert all(r["tflops"]["default"] > 0 and r["tflops"].get("cudnn", 1) > 0
                for r in doc["rows"])
     assert any(f.is_file() for f in (tmp_path / "triton").rglob("*"))
+    # The clocks each timing ran at, from NVML (the driver's library).
+    assert doc["clocks"].startswith("sampled"), doc["clocks"]
+    for r in doc["rows"]:
+        s = r["clocks"]["all"]
+        assert s["samples"] >= 1 and 100 <= s["sm_mhz"]["median"] <= 5000, s
 
 
 def test_part_slices_cover_the_shape_set_once_in_order() -> None:
@@ -409,3 +416,67 @@ def test_bench_parts_merge_into_the_whole_bench(tmp_path: Path) -> None:
     bad = CliRunner().invoke(main, ["bench", "--interpret", "--part", "3/2", "--shapes",
                                     str(shapes), "--db", db])
     assert bad.exit_code == 2 and "1 <= K <= N" in bad.output
+
+
+class _Clock:
+    """A clock reader of known values for the sampler (the n-th read says n MHz)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def read(self):
+        import time
+
+        from flashtune.gpu_clocks import Sample
+
+        self.n += 1
+        return Sample(time.perf_counter(), self.n, 250.0, 50, 0x4)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_bench_rows_carry_the_clocks_of_their_own_timing(tmp_path: Path,
+                                                         interleave: bool) -> None:
+    """Each row says at what clocks it was timed: side by side one summary ("all") per
+    timing, in turn one per implementation (here only the default: nothing is tuned); the
+    backward row has the forward+backward's. The sampler reads a counter here (NVML
+    itself is tested on a GPU, tests/test_gpu_clocks.py), so the timings' windows must not
+    overlap: each later timing reads higher values."""
+    from flashtune.cli.bench import _bench_rows
+    from flashtune.db.fingerprint import device_info
+    from flashtune.dispatch._table import load_table
+    from flashtune.gpu_clocks import ClockSampler
+    from flashtune.problem import Problem
+
+    p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32,
+                dtype="fp16")
+    table = load_table(device_info(), str(tmp_path / "none.db"))
+    rows: list[dict] = []
+    errors: list[str] = []
+    with ClockSampler(_Clock(), period_s=0.0005) as sampler:  # type: ignore[arg-type]
+        stopped = _bench_rows([p], table, True, 1.0, lambda m: None, rows, errors,
+                              interleave, sampler)
+    assert not stopped and not errors
+    assert [r["timing"] for r in rows] == ["fwd", "bwd", "infer"]
+    names = ["all"] if interleave else sorted(rows[0]["tflops"])
+    for r in rows:
+        assert sorted(r["clocks"]) == names
+        for s in r["clocks"].values():
+            assert s is not None and s["samples"] >= 1 and s["reasons"] == ["sw_power_cap"]
+    # Each implementation's (or the shared loop's) timings ran fwd, fwd+bwd, infer, so
+    # their windows' counter values follow one another without overlap.
+    for name in names:
+        spans = [(r["clocks"][name]["sm_mhz"]["min"], r["clocks"][name]["sm_mhz"]["max"])
+                 for r in rows]
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), spans
+
+
+def test_bench_on_the_interpreter_records_no_clocks(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert "clocks" not in doc and all("clocks" not in r for r in doc["rows"])
