@@ -12,6 +12,12 @@ largest. CPU only: it reads committed JSON.
         benchmarks/data/bench_shipped_h200_s31.json \
         --compare benchmarks/data/compare_shipped_h200_s31.json
     python3 benchmarks/experiments/bench_order_artifacts.py --table benchmarks/data/bench_*.json
+
+Benches made since the bench samples the GPU clocks (rows with ``"clocks"``) also get,
+per implementation (in turn) or for the shared loop (side by side), the median SM clock
+of its training forward, forward+backward and inference forward timings over the shapes,
+and the pairs above with the clocks they ran at: whether a fast training forward ran at a
+higher clock than its inference forward is then read, not inferred.
 """
 
 from __future__ import annotations
@@ -73,6 +79,38 @@ def main() -> None:
             print(f"    {ratio:.3f}  {impl:10s} {shape}")
         if args.compare:
             _correlate(by_shape, args.compare)
+        _clocks(by_shape, worst, args.top)
+
+
+def _mhz(row: dict, name: str) -> float | None:
+    s = (row.get("clocks") or {}).get(name)
+    return s["sm_mhz"]["median"] if s else None
+
+
+def _clocks(by_shape: dict[str, dict[str, dict]], worst: list, top: int) -> None:
+    """The median SM clock of each timing, over the shapes, per clock log ("all" or an
+    implementation), and the largest training-faster pairs with their clocks."""
+    import statistics
+
+    logs: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for rows in by_shape.values():
+        for timing, row in rows.items():
+            for name in row.get("clocks") or {}:
+                mhz = _mhz(row, name)
+                if mhz is not None:
+                    logs[name][timing].append(mhz)
+    if not logs:
+        return
+    print("  median SM clock (MHz) over the shapes, per timing (bwd: the fwd+bwd loop):")
+    for name, per in sorted(logs.items()):
+        shown = "  ".join(f"{t} {statistics.median(v):.0f}" for t, v in sorted(per.items()))
+        print(f"    {name:10s} {shown}")
+    for ratio, impl, shape in sorted(worst, reverse=True)[:top]:
+        rows = by_shape[shape]
+        name = impl if impl in (rows["fwd"].get("clocks") or {}) else "all"
+        print(f"    {ratio:.3f} {impl:10s} {shape}: training at {_mhz(rows['fwd'], name)} MHz, "
+              f"inference at {_mhz(rows['infer'], name)} MHz")
 
 
 def _correlate(by_shape: dict[str, dict[str, dict]], compare_path: str) -> None:
