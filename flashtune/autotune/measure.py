@@ -241,7 +241,8 @@ class Bench:
 
         ``rel_tol``/``min_reps``/``abandon_ms``: stop as soon as the noise allows (see
         :func:`flashtune.timing.time_parts`); without them, the house protocol."""
-        adaptive = dict(rel_tol=rel_tol, min_reps=min_reps, abandon_ms=abandon_ms)
+        adaptive: dict[str, Any] = dict(rel_tol=rel_tol, min_reps=min_reps,
+                                        abandon_ms=abandon_ms)
         if direction == "fwd":
             if rel_tol is None:
                 return time_fn(self.fn(direction, config), warmup_ms=warmup_ms, rep_ms=rep_ms,

@@ -668,8 +668,8 @@ class Search:
         measured, and the record never sees them."""
         from optuna.trial import TrialState
 
-        for fut in self.compiles.values():
-            fut.cancel()
+        for compile_fut in self.compiles.values():
+            compile_fut.cancel()
         self.compiles.clear()
         for trial, _, fut, _ in self.pending:
             if fut is not None:

@@ -328,7 +328,8 @@ class Board:
             for name, kinds in _CELL_TYPES.items():
                 v = getattr(r, name)
                 if isinstance(v, bool) or not isinstance(v, kinds) or (
-                        name in ("worker", "host") and v is not None and not v.isprintable()):
+                        name in ("worker", "host") and isinstance(v, str)
+                        and not v.isprintable()):
                     raise ValueError(f"{name} is {str(v)[:40]!r}, not of its type")
             return Task(id=r.id, seq=r.seq, key=key, problem=problem, state=r.state,
                         worker=r.worker, host=r.host, pid=r.pid, attempts=r.attempts,

@@ -262,6 +262,17 @@ class Storage(abc.ABC):
         out["misses"] = sum(c for _, c, _ in self.misses())
         return out
 
+    engine: Any
+    """The SQLAlchemy engine of the database (every storage is relational: SQLite or
+    PostgreSQL), for what lives in other tables of it: Optuna's studies, the sweep's task
+    claims."""
+
+    @abc.abstractmethod
+    def check_writable(self) -> None:
+        """Raise StorageError unless this storage may be written (it was not opened
+        read-only, and its file is still the one opened). Callers that also write through
+        another engine (Optuna's study) check first."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections. The storage must not be used afterwards."""

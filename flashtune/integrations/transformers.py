@@ -217,9 +217,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     from flashtune.kernels.attention import flash_attention
 
     calls["dense"] += 1
-    out = flash_attention(query, key, value, **kw)
-    assert isinstance(out, torch.Tensor)
-    return out.transpose(1, 2).contiguous(), None
+    dense = flash_attention(query, key, value, **kw)
+    assert isinstance(dense, torch.Tensor)
+    return dense.transpose(1, 2).contiguous(), None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

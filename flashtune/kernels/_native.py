@@ -331,8 +331,9 @@ def add_program(native: Any, bwd: Any, do: torch.Tensor, o: torch.Tensor) -> boo
     # LSE where the others read delta, the deterministic variants have no dQ accumulator.
     delta = "lse" if bwd.fused else "delta"
     kernels = []
+    pointers: Any = attn_bwd._pointers  # called with slot names where it takes tensors
     for name, launch in bwd.launches:
-        slots = attn_bwd._pointers(name, "q", "k", "v", "o", "do", "lse", delta, delta, delta,
+        slots = pointers(name, "q", "k", "v", "o", "do", "lse", delta, delta, delta,
                                    "dq", "dk", "dv", ("cu_q", "cu_k") if packed else ("q", "q"))
         described = describe(launch, tuple(slots), do.device.index)
         if described is None:

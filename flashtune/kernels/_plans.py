@@ -145,7 +145,8 @@ class Plan:
             if cu:
                 return self.fwd_native[1](self.fwd_native[0], q, k, v, cu[0], cu[1], lse)
             return self.fwd_native[1](self.fwd_native[0], q, k, v, None, None, lse)
-        out = launch(q, k, v, *cu, lse=lse)
+        cu_q, cu_k = cu if cu else (None, None)
+        out = launch(q, k, v, cu_q, cu_k, lse=lse)
         if self.fwd_native is None and launch is self.fwd and q.is_cuda:
             # Bound now: the extension may allocate and launch it from here on.
             ext = _native.module()
