@@ -74,7 +74,8 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
     layout = packed_layout(p, "cpu" if interpreter else "cuda")
 
     def ours(fwd: Any, bwd: Any) -> Any:
-        kw = dict(causal=p.causal, window_size=p.window, softcap=p.softcap, config=(fwd, bwd))
+        kw = dict(causal=p.causal, window_size=p.window, softcap=p.softcap, config=(fwd, bwd),
+                  deterministic=p.deterministic)
         if layout is not None:  # a packed problem: its representative packed batch
             return lambda q, k, v: flash_attn_varlen_func(q, k, v, *layout, **kw)
         return lambda q, k, v: flash_attention(q, k, v, **kw)

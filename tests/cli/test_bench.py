@@ -480,3 +480,30 @@ def test_bench_on_the_interpreter_records_no_clocks(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert "clocks" not in doc and all("clocks" not in r for r in doc["rows"])
+
+
+def test_bench_calls_a_nondeterministic_shape_as_such(tmp_path: Path) -> None:
+    """A shape with `deterministic: false` is benched as `deterministic=False` calls, so that
+    a config tuned for that key (here the atomic-dQ backward, which only such calls may
+    run) is timed, not refused."""
+    from flashtune.autotune.presets import load_shapes
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.kernels.config import BWD_ATOMIC, config_to_dict, default_bwd
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([dict(TINY[0], deterministic=False)]))
+    (p,) = load_shapes(str(shapes))
+    assert not p.deterministic
+    atomic = dict(config_to_dict(default_bwd(p)), variant=BWD_ATOMIC)
+    with open_storage(tmp_path / "t.db") as st:
+        st.put_result(device_info(), software_info(), p.key("bwd"), atomic, problem=p,
+                      median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                      trials=1, search_seconds=1.0)
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", str(shapes), "--db", str(tmp_path / "t.db")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["errors"] == []
+    bwd = next(r for r in doc["rows"] if r["timing"] == "bwd")
+    assert bwd["tuned_directions"] == ["bwd"] and bwd["tflops"]["tuned"] > 0
