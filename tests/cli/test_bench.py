@@ -507,3 +507,17 @@ def test_bench_calls_a_nondeterministic_shape_as_such(tmp_path: Path) -> None:
     assert doc["errors"] == []
     bwd = next(r for r in doc["rows"] if r["timing"] == "bwd")
     assert bwd["tuned_directions"] == ["bwd"] and bwd["tflops"]["tuned"] > 0
+
+
+def test_the_nondeterministic_standard_shapes_are_the_standard_preset() -> None:
+    """benchmarks/data/standard_nondet.yaml (issue 13's deterministic=False bench) is the
+    standard preset, shape for shape, with deterministic: false."""
+    import dataclasses
+
+    from flashtune.autotune.presets import PRESETS, load_shapes
+
+    path = Path(__file__).parents[2] / "benchmarks" / "data" / "standard_nondet.yaml"
+    shapes = load_shapes(str(path))
+    assert shapes and all(not p.deterministic for p in shapes)
+    assert [dataclasses.replace(p, deterministic=True) for p in shapes] == \
+        list(PRESETS["standard"]())
