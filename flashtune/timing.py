@@ -333,6 +333,7 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
                               errors: dict[str, str] | None = None,
                               clocks: ClockSampler | None = None,
                               clock_log: dict[str, Any] | None = None,
+                              first_calls: dict[str, float] | None = None,
                               ) -> dict[str, dict[str, Timing]]:
     """:func:`three_timings` of several implementations side by side: each of the three
     timings runs every implementation in one loop (:func:`time_interleaved`: in turn, L2
@@ -344,7 +345,9 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     Every implementation shares one set of inputs. One that fails its first call in any
     of the three is left out, with its error in ``errors`` (name: text). With ``clocks``
     and ``clock_log``, the GPU clocks during each timing's loop (after the first calls)
-    go to ``clock_log['fwd' | 'fwd_bwd' | 'infer']``."""
+    go to ``clock_log['fwd' | 'fwd_bwd' | 'infer']``. ``first_calls`` gets each
+    implementation's seconds for its three untimed first calls (its compiles, plan builds
+    and loads from the caches: where a cold bench's time goes)."""
     q, k, v = make_inputs(p, device, requires_grad=True)
     do = torch.randn_like(q)
     qi, ki, vi = (t.detach() for t in (q, k, v))
@@ -370,9 +373,14 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     kinds = {"fwd": fwd, "fwd_bwd": fwd_bwd, "infer": infer}
     ok: dict[str, AttnFn] = {}
     for name, attn in attns.items():
+        start = time.perf_counter()
         try:  # the first call of each kind: compiles, and says what cannot run
             for make in kinds.values():
                 make(attn)()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if first_calls is not None:
+                first_calls[name] = time.perf_counter() - start
         except Exception as e:
             if errors is not None:
                 errors[name] = error_text(e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -120,7 +121,6 @@ def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]
     no compile competes with a timing for the host's cores. A build that fails here is
     left for the timed call, which reports it."""
     import os
-    import time
     from concurrent.futures import FIRST_COMPLETED, wait
 
     from flashtune.autotune._compile import CompilePool
@@ -154,18 +154,24 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
     With a :class:`~flashtune.gpu_clocks.ClockSampler` (``clocks``), each row also says
     at what GPU clocks it was timed: ``"clocks"`` maps "all" (side by side: one loop for
     every implementation) or each implementation's name (in turn) to the summary of the
-    samples read during that timing (for the backward row: the forward+backward's)."""
+    samples read during that timing (for the backward row: the forward+backward's).
+
+    Every row gives its shape's wall time (``shape_wall_s``: first calls and timings), and
+    side by side each implementation's first calls (``first_calls_s``: its compiles, plan
+    builds and cache loads), which is where a bench on cold caches spends its time."""
     from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
+        start = time.perf_counter()
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
                                         interleave, clocks)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
+        wall = time.perf_counter() - start
         shape_rows = []
         for kind in ("fwd", "bwd", "infer"):
             flops = p.flops("bwd" if kind == "bwd" else "fwd")
@@ -173,7 +179,11 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
             ms = {n: t[kind].median_ms for n, t in timings.items()}
             row = {"problem": p.as_dict(), "shape": shape_label(p), "timing": kind,
                    "tflops": tf, "ms": ms, "ratios": _ratios(tf),
-                   "tuned_directions": info["tuned"], "tuned_layers": info["layers"]}
+                   "tuned_directions": info["tuned"], "tuned_layers": info["layers"],
+                   "shape_wall_s": round(wall, 2)}
+            if info["first_calls_s"]:
+                row["first_calls_s"] = {n: round(t, 3)
+                                        for n, t in info["first_calls_s"].items()}
             if clocks is not None:
                 run = "fwd_bwd" if kind == "bwd" else kind
                 row["clocks"] = {n: log.get(run) for n, log in info["clocks"].items()
@@ -197,6 +207,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
     timings: dict[str, dict[str, Any]] = {}
     logs: dict[str, dict[str, Any]] = {}
     info["clocks"] = logs
+    info["first_calls_s"] = {}
     with warnings.catch_warnings():
         # SDPA explains at length why a forced backend cannot run a shape; the error
         # below says it in one line.
@@ -206,7 +217,8 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
             try:
                 timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms,
                                                     errors=failed, clocks=clocks,
-                                                    clock_log=logs.setdefault("all", {}))
+                                                    clock_log=logs.setdefault("all", {}),
+                                                    first_calls=info["first_calls_s"])
             except Exception as e:  # past every one's first calls: the shape is lost
                 failed[", ".join(impls)] = error_text(e)
             errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]

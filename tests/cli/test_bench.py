@@ -220,6 +220,14 @@ def test_bench_times_side_by_side_unless_in_turn_and_says_which(tmp_path: Path,
         assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
         assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
         assert used == (["three_timings"] if flag else ["three_timings_interleaved"])
+        # Where the shape's time went: its wall time, and side by side the first calls.
+        for r in doc["rows"]:
+            assert r["shape_wall_s"] > 0
+            if flag:
+                assert "first_calls_s" not in r
+            else:
+                assert set(r["first_calls_s"]) == {"default"}
+                assert 0 < r["first_calls_s"]["default"] <= r["shape_wall_s"]
 
 
 def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
