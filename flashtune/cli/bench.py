@@ -25,6 +25,8 @@ from flashtune.cli._common import (
     shape_set,
 )
 
+_IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")
+
 
 class Part(click.ParamType):
     """``K/N``: the K-th (1-based) of N slices of a shape set (:meth:`select`)."""
@@ -50,6 +52,27 @@ class Part(click.ParamType):
         return items[start:start + size + (k <= extra)]
 
 
+class ImplNames(click.ParamType):
+    """``NAME[,NAME...]``: a subset of the bench's implementations, with ours (tuned or
+    default) among them."""
+
+    name = "NAME[,NAME...]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None,
+                ) -> Any:
+        if isinstance(value, frozenset):
+            return value
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        unknown = [n for n in names if n not in _IMPL_ORDER]
+        if not names or unknown:
+            self.fail(f"{', '.join(unknown) or repr(value)}: not an implementation; choose "
+                      f"from {', '.join(_IMPL_ORDER)}", param, ctx)
+        if not {"tuned", "default"} & set(names):
+            self.fail("name tuned or default too: the ratios are ours over the others",
+                      param, ctx)
+        return frozenset(names)
+
+
 def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[str, str]]:
     """(the heuristic default (fwd, bwd), {direction: tuned config}, {direction: the layer
     it came from}): "tuned" is what the dispatcher serves as tuned for the problem's key,
@@ -65,9 +88,10 @@ def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[
     return (default_fwd(p), default_bwd(p)), tuned, layers
 
 
-def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _impls(p: Any, table: Any, interpreter: bool, only: frozenset[str] | None = None,
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """({name: attn(q, k, v)}, {"tuned": which directions were tuned, "layers": the layer
-    each tuned config came from}); see :func:`_configs`."""
+    each tuned config came from}); see :func:`_configs`. ``only``: just these names."""
     from flashtune.kernels.attention import flash_attention
     from flashtune.kernels.varlen import flash_attn_varlen_func
     from flashtune.timing import anchors, packed_layout
@@ -82,27 +106,43 @@ def _impls(p: Any, table: Any, interpreter: bool) -> tuple[dict[str, Any], dict[
         return lambda q, k, v: flash_attention(q, k, v, **kw)
 
     dflt, tuned, layers = _configs(p, table)
+    keep_tuned, keep_default = _ours(tuned, only)
     impls: dict[str, Any] = {}
-    if tuned:
+    if keep_tuned:
         impls["tuned"] = ours(tuned.get("fwd", dflt[0]), tuned.get("bwd", dflt[1]))
-    impls["default"] = ours(*dflt)
+    if keep_default:
+        impls["default"] = ours(*dflt)
     if not interpreter:
-        impls.update(anchors(p))
+        impls.update((n, f) for n, f in anchors(p).items() if only is None or n in only)
     return impls, {"tuned": sorted(tuned), "layers": layers}
 
 
-def compile_jobs(problems: list[Any], table: Any) -> list[tuple[Any, str, dict[str, Any]]]:
+def _ours(tuned: dict[str, Any], only: frozenset[str] | None) -> tuple[bool, bool]:
+    """Whether a shape's bench runs the tuned and the default implementation: both by
+    default (tuned where something is tuned); with ``only``, those it names, and the
+    default in place of tuned on a shape with nothing tuned (ratios are ours over the
+    others)."""
+    keep_tuned = bool(tuned) and (only is None or "tuned" in only)
+    keep_default = only is None or "default" in only or not keep_tuned
+    return keep_tuned, keep_default
+
+
+def compile_jobs(problems: list[Any], table: Any, only: frozenset[str] | None = None,
+                 ) -> list[tuple[Any, str, dict[str, Any]]]:
     """Every flashtune kernel build the bench will ask for, in the order it will: (problem,
-    direction, config as a dict) for the tuned and the default config of each shape, each
-    build once."""
+    direction, config as a dict) for the tuned and the default config of each shape (those
+    of the two that ``only`` names), each build once."""
     from flashtune.kernels.config import config_to_dict
 
     jobs: list[tuple[Any, str, dict[str, Any]]] = []
     seen: set[tuple[Any, ...]] = set()
     for p in problems:
         dflt, tuned, _ = _configs(p, table)
+        keep_tuned, keep_default = _ours(tuned, only)
         for i, d in enumerate(("fwd", "bwd")):
-            for cfg in (tuned.get(d), dflt[i]):
+            # the tuned implementation runs the default in a direction that is not tuned
+            for cfg in (tuned.get(d, dflt[i]) if keep_tuned else None,
+                        dflt[i] if keep_default else None):
                 if cfg is None:
                     continue
                 as_dict = config_to_dict(cfg)
@@ -113,7 +153,8 @@ def compile_jobs(problems: list[Any], table: Any) -> list[tuple[Any, str, dict[s
     return jobs
 
 
-def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]) -> None:
+def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None],
+                only: frozenset[str] | None = None) -> None:
     """Build every shape's flashtune kernels on a pool of compile processes before any
     timing (:mod:`flashtune.autotune._compile`: compile only, into Triton's on-disk cache,
     where the timed calls then load them). On a cold cache, compiling one shape after
@@ -126,7 +167,7 @@ def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]
     from flashtune.autotune._compile import CompilePool
     from flashtune.autotune.sweep import check_interrupted
 
-    jobs = compile_jobs(problems, table)
+    jobs = compile_jobs(problems, table, only)
     if not jobs:
         return
     n = max(1, min(14, (os.cpu_count() or 2) - 2, len(jobs)))
@@ -145,7 +186,8 @@ def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None], rows: list[dict[str, Any]],
-                errors: list[str], interleave: bool = False, clocks: Any = None) -> bool:
+                errors: list[str], interleave: bool = False, clocks: Any = None,
+                only: frozenset[str] | None = None) -> bool:
     """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
     True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
@@ -167,7 +209,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
         start = time.perf_counter()
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
-                                        interleave, clocks)
+                                        interleave, clocks, only)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
@@ -195,6 +237,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
                 errors: list[str], interleave: bool = False, clocks: Any = None,
+                only: frozenset[str] | None = None,
                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every implementation's three timings of ``p`` (``interleave``: side by side, see
     :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
@@ -203,7 +246,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
     from flashtune.autotune.sweep import check_interrupted
     from flashtune.timing import error_text, three_timings, three_timings_interleaved
 
-    impls, info = _impls(p, table, interpreter)
+    impls, info = _impls(p, table, interpreter, only)
     timings: dict[str, dict[str, Any]] = {}
     logs: dict[str, dict[str, Any]] = {}
     info["clocks"] = logs
@@ -256,11 +299,16 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @click.option("--precompile/--no-precompile", default=True, show_default=True,
               help="On a GPU, build every shape's flashtune kernels in parallel processes "
                    "before timing, rather than each at its shape's first call.")
+@click.option("--impls", type=ImplNames(), default=None,
+              help="Only these implementations (comma-separated; default: all of "
+                   f"{', '.join(_IMPL_ORDER)}, where they run), ours among them. Side by "
+                   "side, the others in the loop share its clocks: slow, low-power ones "
+                   "such as efficient let them rise.")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
           interpret: bool, interleave: bool, part: tuple[int, int] | None, precompile: bool,
-          db_url: str | None, as_json: bool) -> None:
+          impls: frozenset[str] | None, db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -289,6 +337,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
                 "interpreter": interpreter,
                 "order": "interleaved" if interleave else "in turn",
+                **({"impls": sorted(impls, key=_IMPL_ORDER.index)} if impls else {}),
                 **({"part": f"{part[0]}/{part[1]}"} if part else {})}
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -328,10 +377,11 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
             with exit_when_stuck(stuck):
                 try:
                     if precompile and not interpreter:
-                        _precompile(problems, table, say)
+                        _precompile(problems, table, say, impls)
                     with sampler or contextlib.nullcontext():
                         interrupted = _bench_rows(problems, table, interpreter, rep_ms,
-                                                  say, rows, errors, interleave, sampler)
+                                                  say, rows, errors, interleave, sampler,
+                                                  impls)
                     if sampler is not None and sampler.error:
                         meta["clocks"] = f"{meta['clocks']}; sampling stopped: {sampler.error}"
                 except KeyboardInterrupt:  # during the compiles: nothing measured
@@ -397,7 +447,7 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     if not docs:
         raise ValueError("nothing to merge")
     first = docs[0]
-    for field in ("device", "software", "interpreter", "order"):
+    for field in ("device", "software", "interpreter", "order", "impls"):
         values = {json.dumps(d.get(field), sort_keys=True) for d in docs}
         if len(values) > 1:
             raise ValueError(f"the parts differ in {field}: {sorted(values)}; one bench "
@@ -407,8 +457,8 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     twice = sorted({s for s in shapes if shapes.count(s) > 1})
     if twice:
         raise ValueError(f"shapes measured in more than one part: {twice}")
-    return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "clocks")
-               if k in first},
+    return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "impls",
+                                     "clocks") if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),
             "errors": [e for d in docs for e in d.get("errors", [])],
@@ -417,8 +467,6 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
             "interrupted": any(d.get("interrupted") for d in docs),
             "parts": [d.get("part") for d in docs]}
 
-
-_IMPL_ORDER = ("tuned", "default", "cudnn", "fa2", "efficient", "flex")
 
 
 def _bench_table(rows: list[dict[str, Any]], interpreter: bool) -> Any:

@@ -529,3 +529,57 @@ def test_the_nondeterministic_standard_shapes_are_the_standard_preset() -> None:
     assert shapes and all(not p.deterministic for p in shapes)
     assert [dataclasses.replace(p, deterministic=True) for p in shapes] == \
         list(PRESETS["standard"]())
+
+
+def test_bench_impls_times_only_those_named(tmp_path: Path) -> None:
+    """--impls keeps the named implementations; tuned stands down to the default on a shape
+    with nothing tuned (the ratios are ours over the others); names that are not
+    implementations, or a list without ours, are usage errors that say what is allowed."""
+    db, shapes = str(tmp_path / "t.db"), _shapes(tmp_path)
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--impls", "tuned", "--shapes", shapes, "--db", db])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["impls"] == ["tuned"]
+    assert all(set(r["tflops"]) == {"default"} for r in doc["rows"])  # nothing tuned yet
+    swept = CliRunner().invoke(main, ["sweep", "--interpret", "--shapes", shapes, "--direction",
+                                      "fwd", "--trials", "2", "--db", db])
+    assert swept.exit_code == 0, swept.output
+    for names, want in (("tuned", {"tuned"}), ("default,tuned", {"tuned", "default"}),
+                        ("default", {"default"})):
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                        "--impls", names, "--shapes", shapes, "--db", db])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert all(set(r["tflops"]) == want for r in doc["rows"]), (names, doc["rows"])
+        assert ("tuned/default" in doc["rows"][0]["ratios"]) == (want == {"tuned", "default"})
+    for bad, says in (("tuned,sdpa", "sdpa: not an implementation"),
+                      ("cudnn,flex", "name tuned or default too")):
+        res = CliRunner().invoke(main, ["bench", "--interpret", "--impls", bad, "--shapes",
+                                        shapes, "--db", db])
+        assert res.exit_code == 2 and says in res.output, res.output
+
+
+def test_compile_jobs_follow_impls(tmp_path: Path) -> None:
+    """The precompile builds only what the kept implementations run: tuned alone needs the
+    default too in a direction that is not tuned."""
+    from flashtune.autotune.presets import load_shapes
+    from flashtune.cli.bench import compile_jobs
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import device_info, software_info
+    from flashtune.dispatch._table import load_table
+    from flashtune.kernels.config import config_to_dict, default_bwd, default_fwd
+
+    (p,) = load_shapes(_shapes(tmp_path))
+    tuned = dict(config_to_dict(default_fwd(p)), block_n=16)
+    with open_storage(tmp_path / "t.db") as st:
+        st.put_result(device_info(), software_info(), p.key("fwd"), tuned, problem=p,
+                      median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                      trials=1, search_seconds=1.0)
+    table = load_table(device_info(), str(tmp_path / "t.db"))
+    dfwd, dbwd = config_to_dict(default_fwd(p)), config_to_dict(default_bwd(p))
+    assert compile_jobs([p], table, frozenset({"tuned"})) == \
+        [(p, "fwd", tuned), (p, "bwd", dbwd)]
+    assert compile_jobs([p], table, frozenset({"default", "cudnn"})) == \
+        [(p, "fwd", dfwd), (p, "bwd", dbwd)]
+    assert compile_jobs([p], table) == [(p, "fwd", tuned), (p, "fwd", dfwd), (p, "bwd", dbwd)]
