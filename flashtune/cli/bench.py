@@ -304,11 +304,15 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
                    f"{', '.join(_IMPL_ORDER)}, where they run), ours among them. Side by "
                    "side, the others in the loop share its clocks: slow, low-power ones "
                    "such as efficient let them rise.")
+@click.option("--clocks/--no-clocks", default=True, show_default=True,
+              help="On a GPU, sample its SM clock, power and clock-limit reasons during each "
+                   "timing (NVML) and give them in the --json rows.")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
           interpret: bool, interleave: bool, part: tuple[int, int] | None, precompile: bool,
-          impls: frozenset[str] | None, db_url: str | None, as_json: bool) -> None:
+          impls: frozenset[str] | None, clocks: bool, db_url: str | None,
+          as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -348,7 +352,9 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         rows: list[dict[str, Any]] = []
         errors: list[str] = []
         sampler = None
-        if not interpreter:
+        if not interpreter and not clocks:
+            meta["clocks"] = "not sampled: --no-clocks"
+        elif not interpreter:
             import torch
 
             from flashtune.gpu_clocks import ClockSampler
