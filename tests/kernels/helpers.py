@@ -169,9 +169,12 @@ def case_problem(c: tuple) -> Problem:
 
 
 def distinct_configs(first: FwdConfig | BwdConfig | None, p: Problem, rng: random.Random,
-                     n: int, variant: int, max_stages: int) -> list[FwdConfig | BwdConfig]:
+                     n: int, variant: int, max_stages: int,
+                     accept: Callable[[Any], bool] | None = None,
+                     ) -> list[FwdConfig | BwdConfig]:
     """Up to ``n`` distinct feasible configs of ``variant`` for ``p`` (GPU-sized tiles):
-    ``first`` (a default, when it is of that variant), then random ones."""
+    ``first`` (a default, when it is of that variant), then random ones (those ``accept``
+    takes, where given)."""
     cls = BwdConfig if isinstance(first, BwdConfig) else FwdConfig
     out = [first] if first is not None and first.variant == variant else []
     seen = set(out)
@@ -179,7 +182,7 @@ def distinct_configs(first: FwdConfig | BwdConfig | None, p: Problem, rng: rando
         if len(out) >= n:
             break
         c = random_config(cls, p, rng, max_block=192, max_stages=max_stages, variant=variant)
-        if c not in seen:
+        if c not in seen and (accept is None or accept(c)):
             out.append(c)
             seen.add(c)
     assert out and all(c.variant == variant for c in out), p

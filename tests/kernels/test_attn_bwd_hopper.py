@@ -20,11 +20,24 @@ WATCHDOG_S = 600.0
 
 
 def _hopper_bwd_configs(p: Any, rng: random.Random, n: int) -> list[Any]:
+    """Random configs up to four stages, as the search proposes them: those whose launch
+    can be planned (the search space asks the same; four stages of 64 x 128 tiles at
+    D=128 in the fixed order once hung, BENCHMARKS.md session 31)."""
+    from flashtune.exceptions import InfeasibleConfigError
+    from flashtune.kernels.attn_bwd_hopper import check_launch_plan
     from flashtune.kernels.config import BWD_HOPPER, default_bwd
 
     from .helpers import distinct_configs
 
-    return distinct_configs(default_bwd(p, BWD_HOPPER), p, rng, n, BWD_HOPPER, max_stages=3)
+    def plannable(c: Any) -> bool:
+        try:
+            check_launch_plan(c, p.head_dim, p.deterministic)
+        except InfeasibleConfigError:
+            return False
+        return True
+
+    return distinct_configs(default_bwd(p, BWD_HOPPER), p, rng, n, BWD_HOPPER, max_stages=4,
+                            accept=plannable)
 
 
 def _grid(seed: int) -> list[str]:
