@@ -68,21 +68,29 @@ class Window:
     samples: list[Sample] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any] | None:
-        """Median, min and max SM clock and power, the hottest temperature and every
-        limit reason seen; None without samples."""
+        """Median, min and max SM clock and power while busy, the hottest temperature and
+        every limit reason seen; None without samples (see :func:`summarize`)."""
         return summarize(self.samples)
 
 
+IDLE = 0x1
+
+
 def summarize(samples: Sequence[Sample]) -> dict[str, Any] | None:
-    """See :meth:`Window.summary`."""
+    """See :meth:`Window.summary`. The clock and power figures are over the samples taken
+    while the GPU was busy (NVML's idle reason not set: a timing's compiles leave it idle,
+    and an idle GPU's clock says nothing of the timed launches), or over all where none
+    was; ``idle`` counts the others."""
     if not samples:
         return None
-    mhz = [s.sm_mhz for s in samples]
-    watts = [s.power_w for s in samples]
+    idle = sum(1 for s in samples if s.reasons & IDLE)
+    busy = [s for s in samples if not s.reasons & IDLE] or list(samples)
+    mhz = [s.sm_mhz for s in busy]
+    watts = [s.power_w for s in busy]
     mask = 0
     for s in samples:
         mask |= s.reasons
-    return {"samples": len(samples),
+    return {"samples": len(samples), "idle": idle,
             "sm_mhz": {"median": statistics.median(mhz), "min": min(mhz), "max": max(mhz)},
             "power_w": {"median": round(statistics.median(watts), 1),
                         "max": round(max(watts), 1)},

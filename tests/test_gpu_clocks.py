@@ -30,12 +30,28 @@ def test_summary_of_samples() -> None:
                                                  strict=True))]
     s = summarize(samples)
     assert s is not None
-    assert s["samples"] == 5
+    assert s["samples"] == 5 and s["idle"] == 0
     assert s["sm_mhz"] == {"median": statistics.median(mhz), "min": min(mhz), "max": max(mhz)}
     assert s["power_w"] == {"median": round(statistics.median(watts), 1), "max": max(watts)}
     assert s["temp_c_max"] == 44
     assert s["reasons"] == ["sw_power_cap", "sw_thermal"]
     assert summarize([]) is None
+
+
+def test_summary_leaves_out_the_idle_samples() -> None:
+    """A timing's compiles leave the GPU idle at a low clock: those samples are counted but
+    not summarized, unless every sample was idle."""
+    samples = [Sample(0.0, 345, 90.0, 30, 0x1), Sample(1.0, 1980, 500.0, 40, 0),
+               Sample(2.0, 1830, 690.0, 41, 0x4), Sample(3.0, 345, 95.0, 35, 0x1 | 0x4)]
+    s = summarize(samples)
+    assert s is not None and s["samples"] == 4 and s["idle"] == 2
+    assert s["sm_mhz"] == {"median": statistics.median([1980, 1830]), "min": 1830,
+                           "max": 1980}
+    assert s["power_w"]["max"] == 690.0
+    assert s["reasons"] == ["idle", "sw_power_cap"]
+    only_idle = summarize(samples[:1])
+    assert only_idle is not None and only_idle["idle"] == 1
+    assert only_idle["sm_mhz"]["median"] == 345
 
 
 def test_reason_names_keep_unknown_bits() -> None:
