@@ -445,18 +445,50 @@ def _flex(p: Problem) -> AttnFn:
     return run
 
 
-def anchors(p: Problem) -> dict[str, AttnFn]:
-    """The protocol's anchor implementations for ``p`` (CUDA only; SDPA semantics: Sq == Sk
-    for causal, no window or softcap, no packed batch: benchmarks/bench_varlen.py compares
-    those)."""
-    if p.has_window or p.softcap > 0 or (p.causal and p.seqlen_q != p.seqlen_k) or p.packed:
+ANCHOR_NAMES = ("cudnn", "fa2", "efficient", "flex")
+
+
+def anchors_apply(p: Problem) -> bool:
+    """Whether the anchors can run ``p``: SDPA semantics (Sq == Sk for causal, no window or
+    softcap, no packed batch; benchmarks/bench_varlen.py compares those)."""
+    return not (p.has_window or p.softcap > 0 or (p.causal and p.seqlen_q != p.seqlen_k)
+                or p.packed)
+
+
+def anchors(p: Problem, names: Sequence[str] = ANCHOR_NAMES) -> dict[str, AttnFn]:
+    """The protocol's anchor implementations for ``p`` (CUDA only; none where
+    :func:`anchors_apply` says no), those of ``names`` only."""
+    if not anchors_apply(p):
         return {}
-    return {
-        "cudnn": _sdpa("CUDNN_ATTENTION", p),
-        "fa2": _sdpa("FLASH_ATTENTION", p),
-        "efficient": _sdpa("EFFICIENT_ATTENTION", p),
-        "flex": _flex(p),
+    makers: dict[str, Callable[[], AttnFn]] = {
+        "cudnn": lambda: _sdpa("CUDNN_ATTENTION", p),
+        "fa2": lambda: _sdpa("FLASH_ATTENTION", p),
+        "efficient": lambda: _sdpa("EFFICIENT_ATTENTION", p),
+        "flex": lambda: _flex(p),
     }
+    return {n: makers[n]() for n in ANCHOR_NAMES if n in names}
+
+
+def warm_flex(problem: dict[str, Any]) -> tuple[float, str]:
+    """Compile FlexAttention's three calls of ``problem`` (training forward,
+    forward+backward, inference) in this process, as the bench's first calls make them,
+    so that their compiled graphs and kernels land in the on-disk caches (inductor's, and
+    Triton's) that a bench process then loads instead of compiling: (seconds, "" or the
+    error). For a pool of processes started before a bench (``autotune bench
+    --warm-anchors``)."""
+    t0 = time.perf_counter()
+    try:
+        p = Problem.from_dict(problem)
+        fns = anchors(p, ("flex",))
+        if fns:
+            errors: dict[str, str] = {}
+            three_timings_interleaved(fns, p, "cuda", warmup_ms=1, rep_ms=1, errors=errors)
+            if errors:
+                return time.perf_counter() - t0, errors["flex"]
+            torch.cuda.empty_cache()
+    except Exception as e:  # the bench's own first call meets it again and reports it
+        return time.perf_counter() - t0, error_text(e)
+    return time.perf_counter() - t0, ""
 
 
 def standard_matrix() -> list[Problem]:

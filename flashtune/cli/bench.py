@@ -94,7 +94,7 @@ def _impls(p: Any, table: Any, interpreter: bool, only: frozenset[str] | None = 
     each tuned config came from}); see :func:`_configs`. ``only``: just these names."""
     from flashtune.kernels.attention import flash_attention
     from flashtune.kernels.varlen import flash_attn_varlen_func
-    from flashtune.timing import anchors, packed_layout
+    from flashtune.timing import ANCHOR_NAMES, anchors, packed_layout
 
     layout = packed_layout(p, "cpu" if interpreter else "cuda")
 
@@ -113,7 +113,7 @@ def _impls(p: Any, table: Any, interpreter: bool, only: frozenset[str] | None = 
     if keep_default:
         impls["default"] = ours(*dflt)
     if not interpreter:
-        impls.update((n, f) for n, f in anchors(p).items() if only is None or n in only)
+        impls.update(anchors(p, tuple(only) if only is not None else ANCHOR_NAMES))
     return impls, {"tuned": sorted(tuned), "layers": layers}
 
 
@@ -182,6 +182,57 @@ def _precompile(problems: list[Any], table: Any, progress: Callable[[str], None]
     finally:
         pool.close()
     progress(f"compiled in {time.perf_counter() - t0:.0f} s")
+
+
+def flex_jobs(problems: list[Any], only: frozenset[str] | None = None) -> list[Any]:
+    """The shapes whose FlexAttention calls ``--warm-flex`` compiles ahead: each distinct
+    shape that the anchors can run, when Flex is among the implementations."""
+    from flashtune.timing import anchors_apply
+
+    if only is not None and "flex" not in only:
+        return []
+    out: list[Any] = []
+    for p in problems:
+        if anchors_apply(p) and p not in out:
+            out.append(p)
+    return out
+
+
+def _warm_flex(problems: list[Any], only: frozenset[str] | None,
+               progress: Callable[[str], None], timeout_s: float = 600.0) -> None:
+    """Compile every shape's FlexAttention calls in a pool of processes before any timing
+    (:func:`flashtune.timing.warm_flex`), so that the bench's own first calls load them from
+    the on-disk caches. The pool is terminated when it is done, cut by ``timeout_s`` or
+    interrupted: nothing of it runs while the bench times. A shape it could not compile is
+    left to the timed call, which compiles (or reports) it."""
+    import multiprocessing
+    import os
+
+    from flashtune.autotune.sweep import check_interrupted
+    from flashtune.timing import warm_flex
+
+    jobs = flex_jobs(problems, only)
+    if not jobs:
+        return
+    n = max(1, min(8, (os.cpu_count() or 2) - 2, len(jobs)))
+    progress(f"compiling FlexAttention for {len(jobs)} shapes on {n} processes")
+    t0 = time.perf_counter()
+    pool = multiprocessing.get_context("spawn").Pool(n)
+    try:
+        res = pool.map_async(warm_flex, [p.as_dict() for p in jobs], chunksize=1)
+        while not res.ready():
+            res.wait(1.0)
+            check_interrupted()  # an interrupt lost in a callback still stops here
+            if time.perf_counter() - t0 > timeout_s:
+                progress(f"FlexAttention warm-up cut after {timeout_s:.0f} s; the timed "
+                         "calls compile what it did not")
+                return
+        failed = [e for _, e in res.get() if e]
+    finally:
+        pool.terminate()
+        pool.join()
+    progress(f"FlexAttention compiled in {time.perf_counter() - t0:.0f} s"
+             + (f" ({len(failed)} shapes failed: {failed[0]})" if failed else ""))
 
 
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
@@ -299,6 +350,10 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @click.option("--precompile/--no-precompile", default=True, show_default=True,
               help="On a GPU, build every shape's flashtune kernels in parallel processes "
                    "before timing, rather than each at its shape's first call.")
+@click.option("--warm-flex/--no-warm-flex", default=False, show_default=True,
+              help="On a GPU, compile every shape's FlexAttention calls in parallel "
+                   "processes before timing, into the on-disk caches the timed calls then "
+                   "load (not yet measured to pay on a GPU).")
 @click.option("--impls", type=ImplNames(), default=None,
               help="Only these implementations (comma-separated; default: all of "
                    f"{', '.join(_IMPL_ORDER)}, where they run), ours among them. Side by "
@@ -311,7 +366,7 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
           interpret: bool, interleave: bool, part: tuple[int, int] | None, precompile: bool,
-          impls: frozenset[str] | None, clocks: bool, db_url: str | None,
+          warm_flex: bool, impls: frozenset[str] | None, clocks: bool, db_url: str | None,
           as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
@@ -384,6 +439,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                 try:
                     if precompile and not interpreter:
                         _precompile(problems, table, say, impls)
+                    if warm_flex and not interpreter:
+                        _warm_flex(problems, impls, say)
                     with sampler or contextlib.nullcontext():
                         interrupted = _bench_rows(problems, table, interpreter, rep_ms,
                                                   say, rows, errors, interleave, sampler,

@@ -583,3 +583,80 @@ def test_compile_jobs_follow_impls(tmp_path: Path) -> None:
     assert compile_jobs([p], table, frozenset({"default", "cudnn"})) == \
         [(p, "fwd", dfwd), (p, "bwd", dbwd)]
     assert compile_jobs([p], table) == [(p, "fwd", tuned), (p, "fwd", dfwd), (p, "bwd", dbwd)]
+
+
+def test_flex_warmup_covers_each_shape_flex_runs_once(tmp_path: Path) -> None:
+    from flashtune.cli.bench import flex_jobs
+    from flashtune.problem import Problem
+
+    dense = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32)
+    causal = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32,
+                     causal=True)
+    windowed = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64,
+                       head_dim=32, window=(16, 0))
+    ragged_causal = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=32, seqlen_k=64,
+                            head_dim=32, causal=True)
+    shapes = [dense, windowed, causal, dense, ragged_causal]
+    assert flex_jobs(shapes) == [dense, causal]  # the anchors' own rules, each shape once
+    assert flex_jobs(shapes, frozenset({"tuned", "flex"})) == [dense, causal]
+    assert flex_jobs(shapes, frozenset({"tuned", "cudnn"})) == []
+
+
+def test_anchors_builds_only_those_named() -> None:
+    from flashtune.problem import Problem
+    from flashtune.timing import ANCHOR_NAMES, anchors
+
+    p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32)
+    assert list(anchors(p)) == list(ANCHOR_NAMES)
+    assert list(anchors(p, ("flex", "cudnn"))) == ["cudnn", "flex"]
+    assert anchors(p, ()) == {}
+    assert anchors(Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64,
+                           head_dim=32, softcap=10.0)) == {}
+
+
+def test_flex_warmup_pool_reports_what_it_could_not_compile_and_ends() -> None:
+    """The warm-up pool on a machine where Flex cannot run (no CUDA here): every shape
+    comes back failed with its reason, nothing raises, and the pool is gone after."""
+    import dataclasses
+    import multiprocessing
+
+    from flashtune.cli.bench import _warm_flex
+    from flashtune.problem import Problem
+    from flashtune.timing import warm_flex
+
+    p = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32)
+    seconds, error = warm_flex(p.as_dict())
+    if not error:
+        pytest.skip("FlexAttention compiled here: this machine has a GPU")
+    assert seconds >= 0
+    said: list[str] = []
+    _warm_flex([p, dataclasses.replace(p, causal=True)], None, said.append)
+    assert said[0].startswith("compiling FlexAttention for 2 shapes on "), said
+    assert "2 shapes failed" in said[-1] and error.split(":")[0] in said[-1], said
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_warm_flex_compiles_a_shape_and_the_bench_warms_ahead(tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from flashtune.problem import Problem
+    from flashtune.timing import warm_flex
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    p = Problem(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_k=256, head_dim=64,
+                causal=True)
+    seconds, error = warm_flex(p.as_dict())
+    assert error == "" and seconds > 0
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"batch": 1, "heads": 4, "seqlen": 384, "head_dim": 64}]))
+    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", "--warm-flex",
+                                    "--impls", "default,flex", "--shapes", str(shapes),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    assert "FlexAttention compiled in" in res.stderr and "failed" not in res.stderr, res.stderr
+    doc = json.loads(res.stdout)
+    assert all(r["tflops"]["flex"] > 0 for r in doc["rows"])
