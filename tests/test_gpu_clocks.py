@@ -179,23 +179,3 @@ def test_on_a_gpu_the_clocks_of_a_busy_loop_are_sampled() -> None:
     assert 100 <= s["sm_mhz"]["min"] <= s["sm_mhz"]["median"] <= s["sm_mhz"]["max"] <= 5000
     assert s["power_w"]["max"] > 0
 
-
-@pytest.mark.gpu
-def test_on_a_gpu_bench_no_clocks_records_none(tmp_path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    import json
-
-    from click.testing import CliRunner
-
-    from flashtune.cli import main
-
-    shapes = tmp_path / "shapes.json"
-    shapes.write_text(json.dumps([{"batch": 1, "heads": 2, "seqlen": 256, "head_dim": 64}]))
-    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", "--no-clocks",
-                                    "--impls", "default,cudnn", "--shapes", str(shapes),
-                                    "--db", str(tmp_path / "none.db")])
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert doc["clocks"] == "not sampled: --no-clocks"
-    assert doc["rows"] and all("clocks" not in r for r in doc["rows"])

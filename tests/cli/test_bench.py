@@ -651,12 +651,31 @@ def test_on_a_gpu_warm_flex_compiles_a_shape_and_the_bench_warms_ahead(tmp_path:
                 causal=True)
     seconds, error = warm_flex(p.as_dict())
     assert error == "" and seconds > 0
-    shapes = tmp_path / "shapes.json"
-    shapes.write_text(json.dumps([{"batch": 1, "heads": 4, "seqlen": 384, "head_dim": 64}]))
-    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", "--warm-flex",
-                                    "--impls", "default,flex", "--shapes", str(shapes),
-                                    "--db", str(tmp_path / "none.db")])
-    assert res.exit_code == 0, res.output
+    res = _bench_on_a_gpu(tmp_path, {"batch": 1, "heads": 4, "seqlen": 384, "head_dim": 64},
+                          "--warm-flex", "--impls", "default,flex")
     assert "FlexAttention compiled in" in res.stderr and "failed" not in res.stderr, res.stderr
     doc = json.loads(res.stdout)
     assert all(r["tflops"]["flex"] > 0 for r in doc["rows"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_bench_no_clocks_records_none(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    res = _bench_on_a_gpu(tmp_path, {"batch": 1, "heads": 2, "seqlen": 256, "head_dim": 64},
+                          "--no-clocks", "--impls", "default,cudnn")
+    doc = json.loads(res.stdout)
+    assert doc["clocks"] == "not sampled: --no-clocks"
+    assert doc["rows"] and all("clocks" not in r for r in doc["rows"])
+
+
+def _bench_on_a_gpu(tmp_path: Path, shape: dict, *args: str):  # type: ignore[no-untyped-def]
+    """`autotune bench --json --rep-ms 5 ARGS` of one shape, with no database; the result."""
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([shape]))
+    res = CliRunner().invoke(main, ["bench", "--json", "--rep-ms", "5", *args, "--shapes",
+                                    str(shapes), "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    return res
