@@ -238,7 +238,7 @@ def _warm_flex(problems: list[Any], only: frozenset[str] | None,
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None], rows: list[dict[str, Any]],
                 errors: list[str], interleave: bool = False, clocks: Any = None,
-                only: frozenset[str] | None = None) -> bool:
+                only: frozenset[str] | None = None, warmup_ms: float = 25.0) -> bool:
     """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
     True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
@@ -260,7 +260,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
         start = time.perf_counter()
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
-                                        interleave, clocks, only)
+                                        interleave, clocks, only, warmup_ms)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
@@ -288,7 +288,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
                 errors: list[str], interleave: bool = False, clocks: Any = None,
-                only: frozenset[str] | None = None,
+                only: frozenset[str] | None = None, warmup_ms: float = 25.0,
                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every implementation's three timings of ``p`` (``interleave``: side by side, see
     :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
@@ -309,7 +309,8 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
         if interleave:
             failed: dict[str, str] = {}
             try:
-                timings = three_timings_interleaved(impls, p, dev, rep_ms=rep_ms,
+                timings = three_timings_interleaved(impls, p, dev, warmup_ms=warmup_ms,
+                                                    rep_ms=rep_ms,
                                                     errors=failed, clocks=clocks,
                                                     clock_log=logs.setdefault("all", {}),
                                                     first_calls=info["first_calls_s"])
@@ -320,7 +321,8 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
         for name, fn in impls.items():
             check_interrupted()
             try:
-                timings[name] = three_timings(fn, p, dev, rep_ms=rep_ms, clocks=clocks,
+                timings[name] = three_timings(fn, p, dev, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                              clocks=clocks,
                                               clock_log=logs.setdefault(name, {}))
             except Exception as e:  # an anchor that cannot run this shape is left out
                 errors.append(f"{shape_label(p)}: {name}: {error_text(e)}")
@@ -337,6 +339,11 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @shape_options
 @click.option("--rep-ms", type=FiniteRange(min=1, max=60_000), default=100.0, show_default=True,
               help="do_bench repetition time per measurement.")
+@click.option("--warmup-ms", type=FiniteRange(min=0, max=60_000), default=25.0,
+              show_default=True,
+              help="Warm-up launches before each measurement (do_bench's warmup). A long "
+                   "one (1000) times every implementation at its sustained clocks, after "
+                   "the GPU has met its power limit.")
 @click.option("--interpret", is_flag=True,
               help="Run Triton's CPU interpreter (tests and demos; not GPU timings).")
 @click.option("--interleave/--in-turn", default=True, show_default=True,
@@ -365,9 +372,9 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
-          interpret: bool, interleave: bool, part: tuple[int, int] | None, precompile: bool,
-          warm_flex: bool, impls: frozenset[str] | None, clocks: bool, db_url: str | None,
-          as_json: bool) -> None:
+          warmup_ms: float, interpret: bool, interleave: bool, part: tuple[int, int] | None,
+          precompile: bool, warm_flex: bool, impls: frozenset[str] | None, clocks: bool,
+          db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -396,6 +403,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
                 "interpreter": interpreter,
                 "order": "interleaved" if interleave else "in turn",
+                "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                 **({"impls": sorted(impls, key=_IMPL_ORDER.index)} if impls else {}),
                 **({"part": f"{part[0]}/{part[1]}"} if part else {})}
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
@@ -444,7 +452,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                     with sampler or contextlib.nullcontext():
                         interrupted = _bench_rows(problems, table, interpreter, rep_ms,
                                                   say, rows, errors, interleave, sampler,
-                                                  impls)
+                                                  impls, warmup_ms)
                     if sampler is not None and sampler.error:
                         meta["clocks"] = f"{meta['clocks']}; sampling stopped: {sampler.error}"
                 except KeyboardInterrupt:  # during the compiles: nothing measured
@@ -510,18 +518,19 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     if not docs:
         raise ValueError("nothing to merge")
     first = docs[0]
-    for field in ("device", "software", "interpreter", "order", "impls"):
+    for field in ("device", "software", "interpreter", "order", "impls", "warmup_ms",
+                  "rep_ms"):
         values = {json.dumps(d.get(field), sort_keys=True) for d in docs}
         if len(values) > 1:
             raise ValueError(f"the parts differ in {field}: {sorted(values)}; one bench "
-                             "is measured on one device, software and order")
+                             "is measured on one device and software, in one protocol")
     rows = [row for d in docs for row in d["rows"]]
     shapes = [row["shape"] for row in rows if row["timing"] == "fwd"]
     twice = sorted({s for s in shapes if shapes.count(s) > 1})
     if twice:
         raise ValueError(f"shapes measured in more than one part: {twice}")
     return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "impls",
-                                     "clocks") if k in first},
+                                     "warmup_ms", "rep_ms", "clocks") if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),
             "errors": [e for d in docs for e in d.get("errors", [])],

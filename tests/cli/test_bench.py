@@ -203,23 +203,26 @@ def test_bench_times_side_by_side_unless_in_turn_and_says_which(tmp_path: Path,
                                                                  monkeypatch) -> None:
     import flashtune.timing
 
-    used: list[str] = []
+    used: list[tuple[str, float, float]] = []
     for name in ("three_timings", "three_timings_interleaved"):
         real = getattr(flashtune.timing, name)
         monkeypatch.setattr(flashtune.timing, name,
-                            lambda *a, _real=real, _name=name, **kw: (used.append(_name),
-                                                                      _real(*a, **kw))[1])
+                            lambda *a, _real=real, _name=name, **kw: (
+                                used.append((_name, kw["warmup_ms"], kw["rep_ms"])),
+                                _real(*a, **kw))[1])
     for flag, order in (([], "interleaved"), (["--in-turn"], "in turn")):
         used.clear()
         res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
-                                        *flag, "--shapes", _shapes(tmp_path),
-                                        "--db", str(tmp_path / "none.db")])
+                                        "--warmup-ms", "7", *flag, "--shapes",
+                                        _shapes(tmp_path), "--db", str(tmp_path / "none.db")])
         assert res.exit_code == 0, res.output
         doc = json.loads(res.stdout)
         assert doc["order"] == order and doc["shapes"] == {"measured": 1, "total": 1}
+        assert (doc["warmup_ms"], doc["rep_ms"]) == (7.0, 1.0)
         assert [r["timing"] for r in doc["rows"]] == ["fwd", "bwd", "infer"]
         assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
-        assert used == (["three_timings"] if flag else ["three_timings_interleaved"])
+        assert used == ([("three_timings", 7.0, 1.0)] if flag
+                        else [("three_timings_interleaved", 7.0, 1.0)])
         # Where the shape's time went: its wall time, and side by side the first calls.
         for r in doc["rows"]:
             assert r["shape_wall_s"] > 0
@@ -416,6 +419,10 @@ def test_bench_parts_merge_into_the_whole_bench(tmp_path: Path) -> None:
     assert merged["geomean_ratios"]["fwd"]["tuned/default"] > 0
     with pytest.raises(ValueError, match="differ in order"):
         merge_parts([docs[0], dict(docs[1], order="in turn")])
+    with pytest.raises(ValueError, match="differ in warmup_ms"):
+        merge_parts([docs[0], dict(docs[1], warmup_ms=1000.0)])
+    with pytest.raises(ValueError, match="differ in impls"):
+        merge_parts([docs[0], dict(docs[1], impls=["tuned", "cudnn"])])
     with pytest.raises(ValueError, match="more than one part"):
         merge_parts([docs[0], docs[0]])
     bad = CliRunner().invoke(main, ["bench", "--interpret", "--part", "4/4", "--shapes",
