@@ -365,7 +365,7 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="Only these implementations (comma-separated; default: all of "
                    f"{', '.join(_IMPL_ORDER)}, where they run), ours among them. Side by "
                    "side, the others in the loop share its clocks: slow, low-power ones "
-                   "such as efficient let them rise.")
+                   "such as efficient likely let them rise.")
 @click.option("--clocks/--no-clocks", default=True, show_default=True,
               help="On a GPU, sample its SM clock, power and clock-limit reasons during each "
                    "timing (NVML) and give them in the --json rows.")
