@@ -105,9 +105,10 @@ class NvmlError(RuntimeError):
 class _Nvml:
     """The few NVML calls the sampler makes, on one device."""
 
-    def __init__(self, pci_bus_id: str | None, index: int) -> None:
+    def __init__(self, pci_bus_id: str | None, index: int,
+                 library: str = "libnvidia-ml.so.1") -> None:
         try:
-            self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+            self.lib = ctypes.CDLL(library)
         except OSError as e:
             raise NvmlError(f"the NVIDIA driver's NVML library is not loadable ({e})") from e
         self._check(self.lib.nvmlInit_v2(), "nvmlInit_v2")
@@ -121,10 +122,13 @@ class _Nvml:
                 self._check(self.lib.nvmlDeviceGetHandleByIndex_v2(
                     ctypes.c_uint(index), ctypes.byref(self.handle)),
                     f"nvmlDeviceGetHandleByIndex_v2({index})")
-            try:
-                self._reasons = self.lib.nvmlDeviceGetCurrentClocksEventReasons
-            except AttributeError:  # drivers before 535 name it by throttling
-                self._reasons = self.lib.nvmlDeviceGetCurrentClocksThrottleReasons
+            # Optional calls: a driver without one gives no such figure. Drivers before
+            # 535 name the reasons call by throttling.
+            self._power = getattr(self.lib, "nvmlDeviceGetPowerUsage", None)
+            self._temp = getattr(self.lib, "nvmlDeviceGetTemperature", None)
+            self._reasons = (getattr(self.lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                             or getattr(self.lib, "nvmlDeviceGetCurrentClocksThrottleReasons",
+                                        None))
             self.read()  # fails here, not in the sampling thread
         except BaseException:
             self.close()
@@ -137,19 +141,21 @@ class _Nvml:
             raise NvmlError(f"{what} failed: {text.decode() if text else status}")
 
     def read(self) -> Sample:
+        """One sample. The SM clock must answer; power, temperature and the reasons are
+        best effort (a board or driver without one reads as -1 W, -1 C, no reasons)."""
         clock, power, temp = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
         reasons = ctypes.c_ulonglong()
         h = self.handle
         self._check(self.lib.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM, ctypes.byref(clock)),
                     "nvmlDeviceGetClockInfo")
-        self._check(self.lib.nvmlDeviceGetPowerUsage(h, ctypes.byref(power)),
-                    "nvmlDeviceGetPowerUsage")
-        self._check(self.lib.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU,
-                                                      ctypes.byref(temp)),
-                    "nvmlDeviceGetTemperature")
-        self._check(self._reasons(h, ctypes.byref(reasons)), "clock event reasons")
-        return Sample(time.perf_counter(), clock.value, power.value / 1000.0, temp.value,
-                      reasons.value)
+        watts = (power.value / 1000.0
+                 if self._power is not None and self._power(h, ctypes.byref(power)) == 0
+                 else -1.0)
+        celsius = (temp.value if self._temp is not None and self._temp(
+            h, NVML_TEMPERATURE_GPU, ctypes.byref(temp)) == 0 else -1)
+        mask = (reasons.value if self._reasons is not None
+                and self._reasons(h, ctypes.byref(reasons)) == 0 else 0)
+        return Sample(time.perf_counter(), clock.value, watts, celsius, mask)
 
     def close(self) -> None:
         self.lib.nvmlShutdown()

@@ -179,3 +179,71 @@ def test_on_a_gpu_the_clocks_of_a_busy_loop_are_sampled() -> None:
     assert 100 <= s["sm_mhz"]["min"] <= s["sm_mhz"]["median"] <= s["sm_mhz"]["max"] <= 5000
     assert s["power_w"]["max"] > 0
 
+
+
+_FAKE_NVML = r"""
+#include <string.h>
+typedef void *dev_t_;
+static unsigned reads = 0;
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+const char *nvmlErrorString(int s) { return s == 15 ? "GPU is lost" : "Not Found"; }
+int nvmlDeviceGetHandleByPciBusId_v2(const char *bus, dev_t_ *h) {
+    if (strcmp(bus, "00000000:17:00.0") != 0) return 6;
+    *h = (dev_t_)0x1234; return 0;
+}
+int nvmlDeviceGetHandleByIndex_v2(unsigned i, dev_t_ *h) {
+    if (i != 0) return 6;
+    *h = (dev_t_)0x1234; return 0;
+}
+int nvmlDeviceGetClockInfo(dev_t_ h, int type, unsigned *mhz) {
+    if (h != (dev_t_)0x1234 || type != 1) return 2;
+    if (++reads > FAIL_AFTER) return 15;
+    *mhz = 1700 + reads; return 0;
+}
+int nvmlDeviceGetPowerUsage(dev_t_ h, unsigned *mw) { *mw = 612345; return 0; }
+int nvmlDeviceGetCurrentClocksEventReasons(dev_t_ h, unsigned long long *r) {
+    *r = 0x4; return 0;
+}
+"""
+
+
+def _fake_nvml(tmp_path, fail_after: int = 1000) -> str:
+    """A stand-in for the driver's NVML library, built here, with the calls the sampler
+    makes (no temperature call: an optional one) and known answers."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    src, lib = tmp_path / "nvml.c", tmp_path / f"libfakenvml{fail_after}.so"
+    src.write_text(_FAKE_NVML)
+    subprocess.run([cc, "-shared", "-fPIC", f"-DFAIL_AFTER={fail_after}", "-o", str(lib),
+                    str(src)], check=True)
+    return str(lib)
+
+
+def test_nvml_calls_through_ctypes(tmp_path) -> None:
+    """The ctypes calls' arguments and outputs, against a library of known answers: the
+    handle by bus id or index, the clock, power in watts, a missing optional call, the
+    reasons, and a failing call's error text."""
+    lib = _fake_nvml(tmp_path)
+    nvml = _Nvml("00000000:17:00.0", 0, library=lib)
+    s = nvml.read()  # the constructor read once already
+    assert (s.sm_mhz, s.power_w, s.temp_c, s.reasons) == (1702, 612.345, -1, 0x4)
+    nvml.close()
+    assert _Nvml(None, 0, library=lib).read().sm_mhz > 1700
+    with pytest.raises(NvmlError, match=r"ByPciBusId_v2\(00000000:18:00.0\) failed: Not Found"):
+        _Nvml("00000000:18:00.0", 0, library=lib)
+
+
+def test_a_gpu_lost_mid_run_stops_the_sampler_with_nvmls_words(tmp_path) -> None:
+    lib = _fake_nvml(tmp_path, fail_after=200)
+    with ClockSampler(_Nvml(None, 0, library=lib), period_s=0.001) as sampler:
+        with sampler.window() as w:
+            _wait_for(lambda: sampler.error is not None)
+    assert sampler.error == "NvmlError: nvmlDeviceGetClockInfo failed: GPU is lost"
+    mhz = [x.sm_mhz for x in w.samples]  # reads 2-200 (the constructor's was the first)
+    assert mhz and mhz == list(range(mhz[0], mhz[0] + len(mhz)))
+    assert 1702 <= mhz[0] and mhz[-1] == 1900  # up to the last read that answered
