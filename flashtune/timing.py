@@ -475,7 +475,7 @@ def warm_flex(problem: dict[str, Any]) -> tuple[float, str]:
     so that their compiled graphs and kernels land in the on-disk caches (inductor's, and
     Triton's) that a bench process then loads instead of compiling: (seconds, "" or the
     error). For a pool of processes started before a bench (``autotune bench
-    --warm-anchors``)."""
+    --warm-flex``)."""
     t0 = time.perf_counter()
     try:
         p = Problem.from_dict(problem)

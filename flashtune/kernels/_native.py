@@ -334,7 +334,7 @@ def add_program(native: Any, bwd: Any, do: torch.Tensor, o: torch.Tensor) -> boo
     pointers: Any = attn_bwd._pointers  # called with slot names where it takes tensors
     for name, launch in bwd.launches:
         slots = pointers(name, "q", "k", "v", "o", "do", "lse", delta, delta, delta,
-                                   "dq", "dk", "dv", ("cu_q", "cu_k") if packed else ("q", "q"))
+                         "dq", "dk", "dv", ("cu_q", "cu_k") if packed else ("q", "q"))
         described = describe(launch, tuple(slots), do.device.index)
         if described is None:
             return False
