@@ -52,8 +52,10 @@ class _Sm90Only:
         return True
 
 
-# PTX of every kernel the compile-only launches built, by kernel name (the latest build).
+# PTX and cubin of every kernel the compile-only launches built, by kernel name (the
+# latest build).
 BUILT_PTX: dict[str, str] = {}
+BUILT_CUBIN: dict[str, bytes] = {}
 # How a dK/dV kernel adds dQ, by the PTX instruction that does it (an instruction starts
 # its line, after a predicate if any: "shared.global" is not "red.global").
 DQ_ADDS = {"cp.reduce.async.bulk.tensor": r"^\s*(@\S+\s+)?cp\.reduce\.async\.bulk\.tensor",
@@ -72,6 +74,7 @@ def _install_compile_only() -> None:
     def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kw: Any) -> Any:
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
         BUILT_PTX[self.fn.__name__] = kernel.asm.get("ptx", "")
+        BUILT_CUBIN[self.fn.__name__] = kernel.asm.get("cubin", b"")
         return kernel
 
     JITFunction.run = compile_only  # type: ignore[method-assign]

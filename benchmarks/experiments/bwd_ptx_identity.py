@@ -14,6 +14,12 @@ kernel's PTX.
 
     PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
         benchmarks/experiments/bwd_ptx_identity.py --out ptx.json [--variant 3]
+
+``--sass`` fingerprints each kernel's machine code instead: the SASS that Triton's own
+``cuobjdump`` prints from the cubin it built, which carries no line info. Equal SASS is the
+proof for an edit that moves lines in a kernel module (each kernel's PTX then differs in
+its ``.loc`` directives only, and those do not reach the machine code) or that changes
+code the entries do not compile (a ``constexpr`` branch they do not take).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import json
 import os
 
 import torch
-from probe_ptxas import BUILT_PTX, _install_compile_only
+from probe_ptxas import BUILT_CUBIN, BUILT_PTX, _install_compile_only
 
 _install_compile_only()
 
@@ -36,11 +42,28 @@ from flashtune.problem import default_scale  # noqa: E402
 H._sm_count = lambda index: 132
 
 
+def sass(cubin: bytes) -> str:
+    """The SASS of ``cubin`` as the cuobjdump shipped with Triton prints it."""
+    import subprocess
+    import tempfile
+
+    import triton
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                       "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([exe, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout.replace(f.name, "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", type=int, default=None)
     ap.add_argument("--shipped", default=os.path.join("flashtune", "data", "shipped.json"))
+    ap.add_argument("--sass", action="store_true",
+                    help="fingerprint the SASS of each kernel's cubin, not its PTX")
     args = ap.parse_args()
     with open(args.shipped) as f:
         entries = json.load(f)["entries"]
@@ -60,13 +83,18 @@ def main() -> None:
         lse = torch.empty(b, hq, sq)
         det = e["problem"].get("deterministic", True)
         BUILT_PTX.clear()
+        BUILT_CUBIN.clear()
         _, steps = bwd_steps(do, q, k, v, o, lse, causal=x["causal"], sm_scale=default_scale(d),
                              window=tuple(x["window"]), softcap=x["softcap"], config=cfg,
                              deterministic=det)
         for _, step in steps:
             step()
-        out[str(i)] = {name: hashlib.sha256(ptx.encode()).hexdigest()
-                       for name, ptx in sorted(BUILT_PTX.items())}
+        if args.sass:
+            out[str(i)] = {name: hashlib.sha256(sass(cubin).encode()).hexdigest()
+                           for name, cubin in sorted(BUILT_CUBIN.items())}
+        else:
+            out[str(i)] = {name: hashlib.sha256(ptx.encode()).hexdigest()
+                           for name, ptx in sorted(BUILT_PTX.items())}
         print(i, e["device"]["name"], cfg.variant, f"{b}x{hq}/{hk}x{sq}x{d}",
               "causal" if x["causal"] else "", sorted(BUILT_PTX), flush=True)
     with open(args.out, "w") as f:

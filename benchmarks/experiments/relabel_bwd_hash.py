@@ -13,6 +13,12 @@ the running tree's hash on the backward entries only, and only if:
   the file the fingerprints were taken from) and agree on each one;
 - the running tree's forward hash is unchanged (forward entries are not touched).
 
+With ``--only-identical`` the entries whose fingerprints differ are left as they are, under
+the old hash: stale, never served, and what ``autotune sweep --from-stale`` re-tunes on
+their device starting from their winners (session 34: the flat GQA walk changed the
+Hopper backward's code for GQA problems only; its fingerprints are of the SASS,
+``bwd_ptx_identity.py --sass``).
+
     python benchmarks/experiments/relabel_bwd_hash.py flashtune/data/shipped.json \\
         --old a703171cb9fe... --before ptx_before.json --after ptx_after.json
 """
@@ -34,6 +40,8 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="the kernels hash the entries carry")
     ap.add_argument("--before", required=True, help="PTX fingerprints on the old tree")
     ap.add_argument("--after", required=True, help="PTX fingerprints on the running tree")
+    ap.add_argument("--only-identical", action="store_true",
+                    help="relabel the entries whose fingerprints agree; leave the rest stale")
     args = ap.parse_args()
     now = software_info()
     with open(args.path) as f:
@@ -52,7 +60,7 @@ def main() -> None:
     if missing:
         sys.exit(f"no fingerprints for backward entries {missing[:8]}: nothing relabelled")
     differ = [i for i in bwd if before[i] != after[i]]
-    if differ:
+    if differ and not args.only_identical:
         sys.exit(f"the PTX of backward entries {differ[:8]} changed: nothing relabelled")
     fwd_hashes = {e["software"]["kernels_hash"] for e in doc["entries"]
                   if e["direction"] == "fwd"}
@@ -61,6 +69,8 @@ def main() -> None:
                  "nothing relabelled")
     n = 0
     for i in bwd:
+        if i in differ:
+            continue
         sw = doc["entries"][int(i)]["software"]
         if sw["kernels_hash"] == args.old:
             sw["kernels_hash"] = now.kernels_hash
@@ -73,7 +83,13 @@ def main() -> None:
     with open(args.path, "wb") as f:
         f.write(data)
     print(f"relabelled {n} of {len(bwd)} backward entries of {args.path} "
-          f"({args.old[:12]} -> {now.kernels_hash[:12]})")
+          f"({args.old[:12]} -> {now.kernels_hash[:12]}); left stale: {len(differ)}")
+    for i in differ:
+        e = doc["entries"][int(i)]
+        x = e["example"]
+        print(f"  stale: {e['device']['name']} {x['batch']}x{x['heads_q']}/{x['heads_kv']}x"
+              f"{x['seqlen_q']}x{x['head_dim']}{' causal' if x['causal'] else ''} "
+              f"variant {e['config']['variant']}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""Registers and spills of the Hopper backward, built for sm_90 without a GPU.
+
+Session 34's ncu profile of the fixed-order backward at 4x32/8x4096x128 (GQA 4) found about
+25 local-memory loads and stores per query tile in consumer 0, and none at 4x32x4096x128:
+consumer 1 then waited on it (7% of all samples) and the kernel ran 15% slower than its
+free order. This builds the kernel through ``bwd_steps`` with the compile-only driver of
+``benchmarks/probe_ptxas.py`` and runs the PTX through the ptxas that Triton ships, with
+``-v``, so a change's effect on spills can be seen on the CPU before a GPU is lent.
+
+    PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
+        benchmarks/experiments/bwd_spills.py [--module path/to/attn_bwd_hopper.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+from probe_ptxas import BUILT_PTX, _install_compile_only
+
+_install_compile_only()
+
+import flashtune.kernels as kpkg  # noqa: E402
+import flashtune.kernels.attn_bwd_hopper as H  # noqa: E402
+from flashtune.kernels.attn_bwd import bwd_steps  # noqa: E402
+from flashtune.kernels.config import BWD_HOPPER, BwdConfig  # noqa: E402
+from flashtune.problem import default_scale  # noqa: E402
+
+H._sm_count = lambda index: 132
+
+# (batch, heads_q, heads_kv, seqlen, head_dim, causal, block_m, stages, stagger)
+CASES = [(4, 32, 8, 4096, 128, False, 64, 2, 0), (4, 32, 8, 4096, 128, True, 64, 2, 1),
+         (4, 32, 8, 4096, 128, False, 64, 3, 0), (4, 32, 8, 4096, 64, False, 64, 2, 1),
+         (4, 32, 8, 4096, 64, True, 64, 2, 1), (4, 32, 8, 4096, 64, False, 128, 2, 1),
+         (4, 32, 8, 4096, 64, True, 128, 2, 1), (4, 32, 32, 4096, 64, False, 128, 2, 1),
+         (4, 32, 32, 4096, 128, False, 64, 2, 1)]
+
+
+def ptxas_report(ptx: str) -> str:
+    import triton
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o",
+                            os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return f"regs {','.join(regs)} spill st/ld {spills}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--module", default=None, help="a copy of attn_bwd_hopper.py to build")
+    ap.add_argument("--free", action="store_true", help="also the free order")
+    ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
+    args = ap.parse_args()
+    if args.module:
+        spec = importlib.util.spec_from_file_location("_bwd_variant", args.module)
+        mod = importlib.util.module_from_spec(spec)
+        assert spec.loader is not None
+        spec.loader.exec_module(mod)
+        mod._sm_count = lambda index: 132
+        sys.modules["flashtune.kernels.attn_bwd_hopper"] = mod
+        kpkg.attn_bwd_hopper = mod
+    for b, hq, hk, s, d, causal, m, st, stagger in CASES:
+        for det in (True, False) if args.free else (True,):
+            q, do, o = (torch.empty(b, hq, s, d, dtype=torch.bfloat16) for _ in range(3))
+            k, v = (torch.empty(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
+            lse = torch.empty(b, hq, s)
+            cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=m, hopper_block_n=128,
+                            hopper_stages=st, hopper_regs=240, hopper_stagger=stagger)
+            BUILT_PTX.clear()
+            _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
+                                 window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
+            for _, step in steps:
+                step()
+            ptx = BUILT_PTX.get("_attn_bwd_hopper_kernel", "")
+            if args.save:
+                os.makedirs(args.save, exist_ok=True)
+                name = f"{b}x{hq}x{hk}x{s}x{d}{'c' if causal else ''}_{'det' if det else 'free'}"
+                with open(os.path.join(args.save, name + ".ptx"), "w") as f:
+                    f.write(ptx)
+            print(f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} m{m} s{st} o{stagger} "
+                  f"{'det' if det else 'free'}: {ptxas_report(ptx)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
