@@ -1,4 +1,5 @@
-"""Fingerprints of the PTX every shipped backward entry compiles to, without a GPU.
+"""Fingerprints of the PTX every shipped backward (``--direction``: or forward) entry
+compiles to, without a GPU.
 
 For a change that should not touch generated code (a host-side launcher, say): run this on
 the tree before and after, with Triton 3.6 (the GPU hosts' version) first on PYTHONPATH,
@@ -35,11 +36,15 @@ from probe_ptxas import BUILT_CUBIN, BUILT_PTX, _install_compile_only
 _install_compile_only()
 
 import flashtune.kernels.attn_bwd_hopper as H  # noqa: E402
+import flashtune.kernels.attn_fwd_hopper as FH  # noqa: E402
 from flashtune.kernels.attn_bwd import bwd_steps  # noqa: E402
+from flashtune.kernels.attn_fwd import attn_fwd  # noqa: E402
 from flashtune.kernels.config import config_from_dict  # noqa: E402
 from flashtune.problem import default_scale  # noqa: E402
 
 H._sm_count = lambda index: 132
+FH._sm_count = lambda index: 132
+FH._l2_bytes = lambda index: 50 << 20  # any one size: both trees are built alike
 
 
 def sass(cubin: bytes) -> str:
@@ -64,14 +69,16 @@ def main() -> None:
     ap.add_argument("--shipped", default=os.path.join("flashtune", "data", "shipped.json"))
     ap.add_argument("--sass", action="store_true",
                     help="fingerprint the SASS of each kernel's cubin, not its PTX")
+    ap.add_argument("--direction", choices=("bwd", "fwd", "both"), default="bwd",
+                    help="the entries to build (fwd: through attn_fwd)")
     args = ap.parse_args()
     with open(args.shipped) as f:
         entries = json.load(f)["entries"]
     out: dict[str, dict[str, str]] = {}
     for i, e in enumerate(entries):
-        if e["direction"] != "bwd":
+        if args.direction not in ("both", e["direction"]):
             continue
-        cfg = config_from_dict("bwd", e["config"])
+        cfg = config_from_dict(e["direction"], e["config"])
         if args.variant is not None and cfg.variant != args.variant:
             continue
         x = e["example"]
@@ -84,18 +91,21 @@ def main() -> None:
         det = e["problem"].get("deterministic", True)
         BUILT_PTX.clear()
         BUILT_CUBIN.clear()
-        _, steps = bwd_steps(do, q, k, v, o, lse, causal=x["causal"], sm_scale=default_scale(d),
-                             window=tuple(x["window"]), softcap=x["softcap"], config=cfg,
-                             deterministic=det)
-        for _, step in steps:
-            step()
+        kw = dict(causal=x["causal"], sm_scale=default_scale(d), window=tuple(x["window"]),
+                  softcap=x["softcap"], config=cfg)
+        if e["direction"] == "fwd":
+            attn_fwd(q, k, v, **kw)
+        else:
+            _, steps = bwd_steps(do, q, k, v, o, lse, deterministic=det, **kw)
+            for _, step in steps:
+                step()
         if args.sass:
             out[str(i)] = {name: hashlib.sha256(sass(cubin).encode()).hexdigest()
                            for name, cubin in sorted(BUILT_CUBIN.items())}
         else:
             out[str(i)] = {name: hashlib.sha256(ptx.encode()).hexdigest()
                            for name, ptx in sorted(BUILT_PTX.items())}
-        print(i, e["device"]["name"], cfg.variant, f"{b}x{hq}/{hk}x{sq}x{d}",
+        print(i, e["direction"], e["device"]["name"], cfg.variant, f"{b}x{hq}/{hk}x{sq}x{d}",
               "causal" if x["causal"] else "", sorted(BUILT_PTX), flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)

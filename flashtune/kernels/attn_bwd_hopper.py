@@ -84,8 +84,8 @@ LOG2E = gl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log LSE -> log2 d
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
                   v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty,
                   heads_kv, seq_q, offset, left, right, n_m,
-                  GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, ORDER: gl.constexpr,
+                  GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -107,47 +107,50 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, 
     # the columns past Sq as zeros (P is masked there; dO's zero rows make dS zero).
     ROW_BYTES: gl.constexpr = 4 * BLOCK_M if STAGE_LSE else 0
     cnt = 0
-    g = 0
-    h = hk * GQA + g
-    bh = b * (heads_kv * GQA) + h
-    for it in range(GQA * ((hi - lo) // BLOCK_M)):
-        if GQA > 1:  # the group's heads in one flat walk (see _walk)
-            g, it = _walk(it, (hi - lo) // BLOCK_M)
-            h = hk * GQA + g
-            bh = b * (heads_kv * GQA) + h
-        start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
-        buf = cnt % STAGES
-        phase = ((cnt // STAGES) & 1) ^ 1
-        mbarrier.wait(q_empty.index(buf), phase)
-        mbarrier.expect(q_full.index(buf), desc_q.block_type.nbytes + ROW_BYTES)
-        q_dst = q_smem.index(buf)._reinterpret(desc_q.dtype, [1, 1, BLOCK_M, D],
-                                               desc_q.layout)
-        tma.async_copy_global_to_shared(desc_q, [b, h, start, 0], q_full.index(buf), q_dst)
-        if STAGE_LSE:
-            lse_dst = lse_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M], LSE.layout)
-            tma.async_copy_global_to_shared(LSE, [bh, start], q_full.index(buf), lse_dst)
-        mbarrier.wait(do_empty.index(buf), phase)
-        mbarrier.expect(do_full.index(buf), desc_do.block_type.nbytes + ROW_BYTES)
-        do_dst = do_smem.index(buf)._reinterpret(desc_do.dtype, [1, 1, BLOCK_M, D],
-                                                 desc_do.layout)
-        tma.async_copy_global_to_shared(desc_do, [b, h, start, 0], do_full.index(buf),
-                                        do_dst)
-        if STAGE_LSE:
-            delta_dst = delta_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M],
-                                                           Delta.layout)
-            tma.async_copy_global_to_shared(Delta, [bh, start], do_full.index(buf),
-                                            delta_dst)
-        cnt += 1
+    FLAT: gl.constexpr = GQA > 1 and WALK == 1
+    for g0 in range(1 if FLAT else GQA):
+        g = g0
+        h = hk * GQA + g
+        bh = b * (heads_kv * GQA) + h
+        for it in range(GQA * ((hi - lo) // BLOCK_M) if FLAT else (hi - lo) // BLOCK_M):
+            if FLAT:  # the group's heads in one walk (see _walk)
+                g, it = _walk(it, (hi - lo) // BLOCK_M)
+                h = hk * GQA + g
+                bh = b * (heads_kv * GQA) + h
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            buf = cnt % STAGES
+            phase = ((cnt // STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(buf), phase)
+            mbarrier.expect(q_full.index(buf), desc_q.block_type.nbytes + ROW_BYTES)
+            q_dst = q_smem.index(buf)._reinterpret(desc_q.dtype, [1, 1, BLOCK_M, D],
+                                                   desc_q.layout)
+            tma.async_copy_global_to_shared(desc_q, [b, h, start, 0], q_full.index(buf), q_dst)
+            if STAGE_LSE:
+                lse_dst = lse_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M], LSE.layout)
+                tma.async_copy_global_to_shared(LSE, [bh, start], q_full.index(buf), lse_dst)
+            mbarrier.wait(do_empty.index(buf), phase)
+            mbarrier.expect(do_full.index(buf), desc_do.block_type.nbytes + ROW_BYTES)
+            do_dst = do_smem.index(buf)._reinterpret(desc_do.dtype, [1, 1, BLOCK_M, D],
+                                                     desc_do.layout)
+            tma.async_copy_global_to_shared(desc_do, [b, h, start, 0], do_full.index(buf),
+                                            do_dst)
+            if STAGE_LSE:
+                delta_dst = delta_smem.index(buf)._reinterpret(gl.float32, [1, BLOCK_M],
+                                                               Delta.layout)
+                tma.async_copy_global_to_shared(Delta, [bh, start], do_full.index(buf),
+                                                delta_dst)
+            cnt += 1
 
 
 @gluon.jit
 def _walk(step, tiles):
-    """(query head of the group, query tile) of a GQA program's ``step``: every partition
-    walks the group's heads in one flat loop, not a loop per head. With nested loops ptxas
-    spilled consumer 0's registers (about 200 bytes, reloaded at every query tile) and the
-    fixed order ran 15% behind the free one (H200, session 34;
-    ``benchmarks/experiments/bwd_spills.py``). Without GQA the walk is the head's own loop,
-    the code it always was."""
+    """(query head of the group, query tile) of a GQA program's ``step`` in the flat walk
+    (``hopper_walk`` 1): every partition walks the group's heads in one loop, not a loop per
+    head (``hopper_walk`` 0, the code before it). With the loop per head, ptxas spilled
+    consumer 0's registers at 64-row tiles and D=128 (about 200 bytes, reloaded at every
+    query tile) and the fixed order ran 15% behind the free one; the flat walk spills
+    nothing there (H200, session 34; ``benchmarks/experiments/bwd_spills.py``), but more
+    than the loop per head with 128-row tiles at D=64. Without GQA the two are one code."""
     g = step // tiles
     return g, step - g * tiles
 
@@ -223,9 +226,10 @@ def _dq_chunk(ds_smem, ds_base, ds_buf, k_smem, cid: gl.constexpr, c: gl.constex
 
 @gluon.jit
 def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
-                   seq_k, offset, left, right, n_m, GQA: gl.constexpr, CONSUMERS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, D: gl.constexpr, ORDER: gl.constexpr,
-                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_RING: gl.constexpr):
+                   seq_k, offset, left, right, n_m, GQA: gl.constexpr, WALK: gl.constexpr,
+                   CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                   ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   DQ_RING: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
@@ -245,32 +249,34 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
     lo, full_lo, full_hi, hi = _kv_range(pid_n * BLOCK_N, seq_q, -offset, right, left, BLOCK_N,
                                          BLOCK_M, MASK_RIGHT, MASK_LEFT)
     cnt = 0
-    g = 0
-    h = hk * GQA + g
-    bh = (b * heads_q + h).to(gl.int64)
-    for it in range(GQA * ((hi - lo) // BLOCK_M)):
-        if GQA > 1:  # the group's heads in one flat walk (see _walk)
-            g, it = _walk(it, (hi - lo) // BLOCK_M)
-            h = hk * GQA + g
-            bh = (b * heads_q + h).to(gl.int64)
-        start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
-        sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset, left,
-                             right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT, MASK_RIGHT)
-        while gl.atomic_add(sem, 0, sem="acquire") != turn:
-            pass
-        for c in gl.static_range(CHUNKS):
-            slot = (cnt * CHUNKS + c) % DQ_RING
-            mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
-                          ((cnt * CHUNKS + c) // DQ_RING) & 1)
-            _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
-                            dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                                gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
-        tma.store_wait(0)
-        for c in gl.static_range(CHUNKS):
-            mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
-                            count=1)
-        gl.atomic_xchg(sem, turn + 1, sem="release")
-        cnt += 1
+    FLAT: gl.constexpr = GQA > 1 and WALK == 1
+    for g0 in range(1 if FLAT else GQA):
+        g = g0
+        h = hk * GQA + g
+        bh = (b * heads_q + h).to(gl.int64)
+        for it in range(GQA * ((hi - lo) // BLOCK_M) if FLAT else (hi - lo) // BLOCK_M):
+            if FLAT:  # the group's heads in one walk (see _walk)
+                g, it = _walk(it, (hi - lo) // BLOCK_M)
+                h = hk * GQA + g
+                bh = (b * heads_q + h).to(gl.int64)
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset, left,
+                                 right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT, MASK_RIGHT)
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
+            for c in gl.static_range(CHUNKS):
+                slot = (cnt * CHUNKS + c) % DQ_RING
+                mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
+                              ((cnt * CHUNKS + c) // DQ_RING) & 1)
+                _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
+                                dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                    gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
+            tma.store_wait(0)
+            for c in gl.static_range(CHUNKS):
+                mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
+                                count=1)
+            gl.atomic_xchg(sem, turn + 1, sem="release")
+            cnt += 1
 
 
 @gluon.jit
@@ -309,8 +315,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
                   sm_scale, qk_scale, cap_scale, cap_log2,
-                  GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                  GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
                   STAGE_LSE: gl.constexpr):
@@ -368,157 +374,159 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                                          MASK_RIGHT, MASK_LEFT)
     mbarrier.wait(kv_ready, 0)
     cnt = 0
-    g = 0
-    bh = (b * heads_q + hk * GQA + g).to(gl.int64)
-    for it in range(GQA * ((hi - lo) // BLOCK_M)):
-        if GQA > 1:  # the group's heads in one flat walk (see _walk)
-            g, it = _walk(it, (hi - lo) // BLOCK_M)
-            bh = (b * heads_q + hk * GQA + g).to(gl.int64)
-        start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
-        buf = cnt % STAGES
-        phase = (cnt // STAGES) & 1
-        if STAGE_LSE:
-            pass  # LSE and Δ come with the stage (see the producer)
-        elif LEAN:
-            rows_v = start + gl.arange(0, BLOCK_M, layout=vec_layout)
-            lse_v = gl.load(LSE + bh * seq_q + rows_v, mask=rows_v < seq_q,
-                            other=float("inf"))
-            delta_v = gl.load(Delta + bh * seq_q + rows_v, mask=rows_v < seq_q, other=0.0)
-        else:
-            cols_v = start + gl.arange(0, BLOCK_M, layout=col_s)
-            lse2 = gl.load(LSE + bh * seq_q + cols_v, mask=cols_v < seq_q,
-                           other=float("inf")) * LOG2E
-            delta = gl.load(Delta + bh * seq_q + cols_v, mask=cols_v < seq_q, other=0.0)
-        q = q_smem.index(buf)
-        do = do_smem.index(buf)
-        mbarrier.wait(q_full.index(buf), phase)
-        s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if STAGE_LSE and not LEAN:  # read while the product runs
-            lse2 = lse_smem.index(buf).load(col_s) * LOG2E
-        if DP_LATE:
-            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
-        else:
-            mbarrier.wait(do_full.index(buf), phase)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-        if STAGE_LSE:
-            if LEAN:  # read once Sᵀ is in: no room for it beside the products
+    FLAT: gl.constexpr = GQA > 1 and WALK == 1
+    for g0 in range(1 if FLAT else GQA):
+        g = g0
+        bh = (b * heads_q + hk * GQA + g).to(gl.int64)
+        for it in range(GQA * ((hi - lo) // BLOCK_M) if FLAT else (hi - lo) // BLOCK_M):
+            if FLAT:  # the group's heads in one walk (see _walk)
+                g, it = _walk(it, (hi - lo) // BLOCK_M)
+                bh = (b * heads_q + hk * GQA + g).to(gl.int64)
+            start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
+            buf = cnt % STAGES
+            phase = (cnt // STAGES) & 1
+            if STAGE_LSE:
+                pass  # LSE and Δ come with the stage (see the producer)
+            elif LEAN:
+                rows_v = start + gl.arange(0, BLOCK_M, layout=vec_layout)
+                lse_v = gl.load(LSE + bh * seq_q + rows_v, mask=rows_v < seq_q,
+                                other=float("inf"))
+                delta_v = gl.load(Delta + bh * seq_q + rows_v, mask=rows_v < seq_q, other=0.0)
+            else:
+                cols_v = start + gl.arange(0, BLOCK_M, layout=col_s)
+                lse2 = gl.load(LSE + bh * seq_q + cols_v, mask=cols_v < seq_q,
+                               other=float("inf")) * LOG2E
+                delta = gl.load(Delta + bh * seq_q + cols_v, mask=cols_v < seq_q, other=0.0)
+            q = q_smem.index(buf)
+            do = do_smem.index(buf)
+            mbarrier.wait(q_full.index(buf), phase)
+            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if STAGE_LSE and not LEAN:  # read while the product runs
                 lse2 = lse_smem.index(buf).load(col_s) * LOG2E
-        elif LEAN:
-            lse2 = gl.convert_layout(lse_v * LOG2E, col_s)
-        if SOFTCAP:
-            t = _tanh(s_t * cap_scale)
-            p_t = gl.exp2(t * cap_log2 - lse2[None, :])
-        else:
-            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-        if (start < full_lo) | (start >= full_hi):
-            # Key j (row) is seen by query i (column) iff
-            # i + offset - left <= j <= i + offset + right.
-            cols = start + gl.arange(0, BLOCK_M, layout=col_s)
-            vis = (cols[None, :] < seq_q) & (keys[:, None] < seq_k)
-            if MASK_LEFT:
-                vis = vis & (keys[:, None] >= cols[None, :] + offset - left)
-            if MASK_RIGHT:
-                vis = vis & (keys[:, None] <= cols[None, :] + offset + right)
-            p_t = gl.where(vis, p_t, 0.0)
-        if DP_LATE:
-            mbarrier.wait(do_full.index(buf), phase)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-        if STAGE_LSE:
-            delta = delta_smem.index(buf).load(col_s)
-        elif LEAN:
-            delta = gl.convert_layout(delta_v, col_s)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - t * t)  # d/dx tanh = 1 - tanh^2
-        ds16 = (ds_t * sm_scale).to(dtype)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
-                           is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
-        # dQ = dS·K: each consumer's dSᵀ goes through shared memory (read transposed).
-        # In the fixed order (SPLIT_D) each consumer computes its own DQ_COLS columns
-        # over all BLOCK_N keys, so the two take their turns on disjoint columns;
-        # otherwise each adds its own keys' share of every column, and the consumers
-        # run unsynchronised (one's exponentials overlap the other's products).
-        if DEFER:
-            # dS goes to this tile's slot, and the dQ columns of the previous tile are
-            # computed now, once both consumers' dS of it are in: a consumer waits for
-            # the other one tile late, so the two drift apart instead of meeting at
-            # every tile, and one's exponentials overlap the other's products.
-            slot = cnt % 2
-            mbarrier.wait(ds_free.index(slot), ((cnt // 2) & 1) ^ 1)
-            ds_smem.index(slot * CONSUMERS + cid).store(ds16)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(slot), count=1)
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-            mbarrier.arrive(q_empty.index(buf), count=1)
-            mbarrier.arrive(do_empty.index(buf), count=1)
-            if cnt > 0:
-                _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
-                          dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
-                          DQ_RING, dq_layout)
-        else:
-            if SPLIT_D:
-                mbarrier.wait(ds_free.index(0), (cnt & 1) ^ 1)  # the last tile's dQ is done
-            ds_buf.store(ds16)
-            fence_async_shared()
-            gl.thread_barrier()
-            if SPLIT_D:
-                mbarrier.arrive(ds_ready.index(0), count=1)
-                mbarrier.wait(ds_ready.index(0), cnt & 1)
-            if LEAN:  # dK and dV complete first (see LEAN); Q and dO are then free
+            if DP_LATE:
+                s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
+            else:
+                mbarrier.wait(do_full.index(buf), phase)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            if STAGE_LSE:
+                if LEAN:  # read once Sᵀ is in: no room for it beside the products
+                    lse2 = lse_smem.index(buf).load(col_s) * LOG2E
+            elif LEAN:
+                lse2 = gl.convert_layout(lse_v * LOG2E, col_s)
+            if SOFTCAP:
+                t = _tanh(s_t * cap_scale)
+                p_t = gl.exp2(t * cap_log2 - lse2[None, :])
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if (start < full_lo) | (start >= full_hi):
+                # Key j (row) is seen by query i (column) iff
+                # i + offset - left <= j <= i + offset + right.
+                cols = start + gl.arange(0, BLOCK_M, layout=col_s)
+                vis = (cols[None, :] < seq_q) & (keys[:, None] < seq_k)
+                if MASK_LEFT:
+                    vis = vis & (keys[:, None] >= cols[None, :] + offset - left)
+                if MASK_RIGHT:
+                    vis = vis & (keys[:, None] <= cols[None, :] + offset + right)
+                p_t = gl.where(vis, p_t, 0.0)
+            if DP_LATE:
+                mbarrier.wait(do_full.index(buf), phase)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            if STAGE_LSE:
+                delta = delta_smem.index(buf).load(col_s)
+            elif LEAN:
+                delta = gl.convert_layout(delta_v, col_s)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t * t)  # d/dx tanh = 1 - tanh^2
+            ds16 = (ds_t * sm_scale).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
+                               is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
+            # dQ = dS·K: each consumer's dSᵀ goes through shared memory (read transposed).
+            # In the fixed order (SPLIT_D) each consumer computes its own DQ_COLS columns
+            # over all BLOCK_N keys, so the two take their turns on disjoint columns;
+            # otherwise each adds its own keys' share of every column, and the consumers
+            # run unsynchronised (one's exponentials overlap the other's products).
+            if DEFER:
+                # dS goes to this tile's slot, and the dQ columns of the previous tile are
+                # computed now, once both consumers' dS of it are in: a consumer waits for
+                # the other one tile late, so the two drift apart instead of meeting at
+                # every tile, and one's exponentials overlap the other's products.
+                slot = cnt % 2
+                mbarrier.wait(ds_free.index(slot), ((cnt // 2) & 1) ^ 1)
+                ds_smem.index(slot * CONSUMERS + cid).store(ds16)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ds_ready.index(slot), count=1)
                 dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 mbarrier.arrive(do_empty.index(buf), count=1)
-            if DETERMINISTIC:
-                # This consumer's DQ_COLS columns go to the dQ writer in chunks of
-                # DQ_CHUNK through its ring of staging buffers; the writer takes the
-                # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
-                dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
-                               CONSUMERS, SPLIT_D, dq_layout)
-                if not LEAN:
-                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-                    mbarrier.arrive(q_empty.index(buf), count=1)
-                    mbarrier.arrive(do_empty.index(buf), count=1)
-                for c in gl.static_range(DQ_COLS // DQ_CHUNK):
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                    if c + 1 == DQ_COLS // DQ_CHUNK:
-                        if SPLIT_D:
-                            mbarrier.arrive(ds_free.index(0), count=1)
-                    slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
-                    lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
-                    mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
-                    dq_smem.index(cid * DQ_RING + slot).store(dq)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    if c + 1 < DQ_COLS // DQ_CHUNK:
-                        dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
-                                       DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
-                    mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
+                if cnt > 0:
+                    _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
+                              dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
+                              DQ_RING, dq_layout)
             else:
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
-                                   gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                if LEAN:
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                else:
-                    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-                    mbarrier.arrive(q_empty.index(buf), count=1)
-                    mbarrier.arrive(do_empty.index(buf), count=1)
-                # Through shared memory as one bulk reduction; the previous one must have
-                # finished reading the buffer first.
-                dq_buf = dq_smem.index(cid)
-                tma.store_wait(0)
-                gl.thread_barrier()
-                dq_buf.store(dq)
+                if SPLIT_D:
+                    mbarrier.wait(ds_free.index(0), (cnt & 1) ^ 1)  # the last tile's dQ is done
+                ds_buf.store(ds16)
                 fence_async_shared()
                 gl.thread_barrier()
-                _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
-                                dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
-                                                    desc_dq.layout))
-        cnt += 1
+                if SPLIT_D:
+                    mbarrier.arrive(ds_ready.index(0), count=1)
+                    mbarrier.wait(ds_ready.index(0), cnt & 1)
+                if LEAN:  # dK and dV complete first (see LEAN); Q and dO are then free
+                    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+                    mbarrier.arrive(q_empty.index(buf), count=1)
+                    mbarrier.arrive(do_empty.index(buf), count=1)
+                if DETERMINISTIC:
+                    # This consumer's DQ_COLS columns go to the dQ writer in chunks of
+                    # DQ_CHUNK through its ring of staging buffers; the writer takes the
+                    # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
+                    dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
+                                   CONSUMERS, SPLIT_D, dq_layout)
+                    if not LEAN:
+                        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                        mbarrier.arrive(q_empty.index(buf), count=1)
+                        mbarrier.arrive(do_empty.index(buf), count=1)
+                    for c in gl.static_range(DQ_COLS // DQ_CHUNK):
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                        if c + 1 == DQ_COLS // DQ_CHUNK:
+                            if SPLIT_D:
+                                mbarrier.arrive(ds_free.index(0), count=1)
+                        slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
+                        lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
+                        mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
+                        dq_smem.index(cid * DQ_RING + slot).store(dq)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        if c + 1 < DQ_COLS // DQ_CHUNK:
+                            dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
+                                           DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
+                        mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
+                else:
+                    dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+                                       gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                    if LEAN:
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                    else:
+                        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+                        mbarrier.arrive(q_empty.index(buf), count=1)
+                        mbarrier.arrive(do_empty.index(buf), count=1)
+                    # Through shared memory as one bulk reduction; the previous one must have
+                    # finished reading the buffer first.
+                    dq_buf = dq_smem.index(cid)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    dq_buf.store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
+                                    dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
+                                                        desc_dq.layout))
+            cnt += 1
     if DEFER:
         if cnt > 0:
             _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
@@ -543,7 +551,8 @@ def _attn_bwd_hopper_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     heads_kv, seq_q, seq_k, left, right, n_m,
     sm_scale, qk_scale, cap_scale, cap_log2,
-    GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr,
@@ -613,8 +622,8 @@ def _attn_bwd_hopper_kernel(
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
-                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
+                                 BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                                  delta_smem, kv_ready,
@@ -622,20 +631,20 @@ def _attn_bwd_hopper_kernel(
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
-                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
+                                 BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
-                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                                 STAGE_LSE)),
+                                 GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
+                                 MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
-                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
-                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
@@ -646,17 +655,17 @@ def _attn_bwd_hopper_kernel(
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
-                                 D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                 sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
+                                 BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
-                                 GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                                 STAGE_LSE)),
+                                 GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
+                                 MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
-                                  seq_k, offset, left, right, n_m, GQA, CONSUMERS, BLOCK_M, D,
+                                  seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
@@ -665,7 +674,7 @@ def _attn_bwd_hopper_kernel(
                              k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
-                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                             GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
                              STAGE_LSE)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready,
@@ -673,7 +682,7 @@ def _attn_bwd_hopper_kernel(
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
@@ -682,7 +691,7 @@ def _attn_bwd_hopper_kernel(
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
@@ -692,7 +701,7 @@ def _attn_bwd_hopper_kernel(
                              k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
-                             GQA, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
+                             GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
                              STAGE_LSE)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready,
@@ -700,7 +709,7 @@ def _attn_bwd_hopper_kernel(
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
-                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, CONSUMERS, BLOCK_M,
+                             sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
         ], [4], [CONSUMER_REGS])
@@ -859,7 +868,8 @@ class HopperBwdLaunch:
             _attn_bwd_hopper_kernel, (n_n, b * hk),
             [None] * 10 + [*dk_strides, *dv_strides, hk, sq, sk, left, right, n_m, sm_scale,
                            qk_scale, cap_scale, cap_log2],
-            dict(GQA=hq // hk, CONSUMERS=consumers, BLOCK_M=m, STAGES=c.hopper_stages,
+            dict(GQA=hq // hk, WALK=c.hopper_walk, CONSUMERS=consumers, BLOCK_M=m,
+                 STAGES=c.hopper_stages,
                  ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,

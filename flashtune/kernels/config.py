@@ -172,6 +172,9 @@ class BwdConfig:
                             variants=_BH)
     hopper_stagger: int = knob(1, (0, 1), "Hopper, no mask: each key tile starts its walk "
                                "over the queries at its own offset", variants=_BH)
+    hopper_walk: int = knob(1, (0, 1), "Hopper, GQA: 1 walks the group's query heads in one "
+                            "flat loop, 0 in a loop per head (ptxas spills differently)",
+                            variants=_BH)
 
     kind = "bwd"
 

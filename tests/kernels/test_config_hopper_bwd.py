@@ -173,11 +173,39 @@ def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
 def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
-            "hopper_stagger", "pre_block_m", "variant"} == fields
+            "hopper_stagger", "hopper_walk", "pre_block_m", "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
     cfg = dataclasses.replace(HOP, hopper_block_n=64, hopper_regs=232)
     assert config_from_dict("bwd", config_to_dict(cfg)) == cfg
+
+
+def test_gqa_walk_is_a_knob_and_configs_written_before_it_read_as_the_flat_walk() -> None:
+    """``hopper_walk`` (session 34): 1, the default, walks a GQA group's query heads in one
+    flat loop, 0 in a loop per head (the code before the knob, which the shipped H100
+    entry it was not re-searched for keeps). Older configs, without the field, read as the
+    default; the launch passes the knob to the kernel as its WALK constexpr."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
+
+    old = config_to_dict(HOP)
+    del old["hopper_walk"]
+    assert config_from_dict("bwd", old).hopper_walk == 1
+    nested = dataclasses.replace(HOP, hopper_walk=0)
+    assert config_to_dict(nested)["hopper_walk"] == 0
+    assert config_from_dict("bwd", config_to_dict(nested)) == nested
+    with pytest.raises(ValueError, match="hopper_walk"):
+        config_from_dict("bwd", {**old, "hopper_walk": 2})
+    b, hq, hk, s, d = 1, 8, 2, 256, 64
+    q, do, o = (torch.randn(b, hq, s, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
+    for walk in (0, 1):
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                                 scales=(0.18, 0.0, 0.0), softcap=0.0,
+                                 config=dataclasses.replace(HOP, hopper_walk=walk),
+                                 deterministic=True)
+        assert launch.main.kwargs["WALK"] == walk and launch.main.kwargs["GQA"] == 4
 
 
 def test_space_samples_hopper_knobs_only_for_the_hopper(on_hopper: None) -> None:
