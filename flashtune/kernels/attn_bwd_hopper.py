@@ -64,7 +64,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
-from flashtune.kernels.config import DEFAULT_SMEM_BYTES, BwdConfig, smem_bwd_hopper
+from flashtune.kernels.config import (
+    DEFAULT_SMEM_BYTES,
+    BwdConfig,
+    hopper_bwd_fixed_order,
+    smem_bwd_hopper,
+)
 
 
 @builtin
@@ -789,7 +794,7 @@ def check_launch_plan(c: BwdConfig, head_dim: int, deterministic: bool) -> None:
     """Raise :class:`InfeasibleConfigError` where ``c`` passes the feasibility formula but
     its launch's buffers cannot be planned (:func:`_smem_plan`); the search space asks
     this before it proposes a config."""
-    _smem_plan(c, head_dim, deterministic)
+    _smem_plan(c, head_dim, hopper_bwd_fixed_order(c, head_dim, deterministic))
 
 def _template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
               block: list[int], layout: Any) -> Any:
@@ -826,6 +831,8 @@ class HopperBwdLaunch:
         left, right, mask_left, mask_right = mask
         qk_scale, cap_scale, cap_log2 = scales
         m, n = c.hopper_block_m, c.hopper_block_n
+        # A free-order call whose staging does not fit runs in the fixed order.
+        deterministic = hopper_bwd_fixed_order(c, d, deterministic)
         n_m = triton.cdiv(sq, m)
         n_n = triton.cdiv(sk, n)
         # The order of dQ turns (see _dq_turn). A program waits only for programs launched

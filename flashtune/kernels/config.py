@@ -505,12 +505,25 @@ def smem_bwd_hopper(c: BwdConfig, d: int, deterministic: bool) -> int:
     return 2 * (2 * c.hopper_stages * m * d + 2 * n * d + n * m) + dq + 1024
 
 
+def hopper_bwd_fixed_order(c: BwdConfig, d: int, deterministic: bool,
+                           smem_bytes: int = DEFAULT_SMEM_BYTES) -> bool:
+    """Whether the Hopper backward runs ``c`` in the fixed dQ order: for every deterministic
+    call, and for a non-deterministic one whose free order does not fit (its per-consumer
+    fp32 dQ staging beside ``c``'s buffers; the fixed order stages less). A deterministic
+    run serves a call that does not ask for one, so such a call keeps the config its
+    deterministic twin was tuned to instead of falling to another entry: at 4x32/8x4096x128
+    on the H200 that was another GQA ratio's config, 0.65x cuDNN against the fixed order's
+    0.86x (BENCHMARKS.md, issue 13, session 34)."""
+    return deterministic or smem_bwd_hopper(c, d, False) > smem_bytes
+
+
 def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
     if c.hopper_block_m == 128 and p.head_dim > 64:
         raise InfeasibleConfigError(
             f"bwd hopper: hopper_block_m=128 needs head_dim <= 64 (got {p.head_dim}): a "
             f"consumer holds dK, dV and a 128-row dQ tile in registers")
-    _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, p.deterministic), smem_bytes)
+    fixed = hopper_bwd_fixed_order(c, p.head_dim, p.deterministic, smem_bytes)
+    _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, fixed), smem_bytes)
 
 
 def check_bwd(c: BwdConfig, p: Problem, smem_bytes: int = DEFAULT_SMEM_BYTES) -> None:

@@ -409,3 +409,31 @@ def test_kernels_flash_attention_works_without_the_dispatcher(db, device, seed):
         assert dispatch.stats()["first_sights"] == 0
     finally:
         attention.set_config_resolver(before)
+
+
+def test_a_free_order_call_is_served_its_deterministic_twins_hopper_config(
+        db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``deterministic=False`` call whose only same-key entry is deterministic, with a
+    Hopper config whose free order does not fit in shared memory, is served that entry (run
+    in the fixed order), not another GQA ratio's entry that fits. Before session 34 the
+    twin was rejected as infeasible for the free order, and the H200's 4x32/8x4096x128
+    free-order calls ran another ratio's configs at 0.63-0.65x cuDNN (BENCHMARKS.md)."""
+    from flashtune.dispatch import _table
+    from flashtune.kernels import config as kconfig
+    from flashtune.kernels.config import BWD_HOPPER
+
+    monkeypatch.setattr(kconfig, "hopper_support", lambda: "")  # the rules as on an sm90
+    det = Problem(4, 32, 8, 4096, 4096, 128, "bf16", False, deterministic=True)
+    twin = BwdConfig(variant=BWD_HOPPER, hopper_stages=3)  # free order: 246,784 B
+    fits = BwdConfig(variant=BWD_HOPPER, hopper_stages=2)
+    other = dataclasses.replace(det, heads_kv=32)  # another GQA ratio, same buckets
+    put(db, det, "bwd", twin)
+    put(db, other, "bwd", fits)
+    table = _table.load_table(device_info(), str(db))
+    free = dataclasses.replace(det, deterministic=False)
+    c = table.choose(free, "bwd")
+    assert c.source == "nearest" and c.config == twin, c
+    assert c.entry is not None and c.entry.key == det.key("bwd")
+    assert kconfig.hopper_bwd_fixed_order(twin, 128, False)  # it runs in the fixed order
+    # The deterministic call itself is served its own entry, as before.
+    assert table.choose(det, "bwd").config == twin

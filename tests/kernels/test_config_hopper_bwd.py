@@ -16,12 +16,14 @@ from flashtune.kernels.config import (
     BWD_FUSED,
     BWD_HOPPER,
     BWD_TWO_KERNEL,
+    DEFAULT_SMEM_BYTES,
     BwdConfig,
     active_fields,
     check_bwd,
     config_from_dict,
     config_to_dict,
     default_bwd,
+    hopper_bwd_fixed_order,
     smem_bwd_hopper,
     variant_unavailable,
 )
@@ -49,7 +51,6 @@ def test_default_hopper_config_passes_every_rule(on_hopper: None) -> None:
     ({}, {"head_dim": 96}, "head_dim 96"),
     ({}, {"total_q": 8000, "total_k": 8000}, "packed"),
     ({"hopper_block_m": 128}, {}, "hopper_block_m=128 needs head_dim <= 64"),
-    ({"hopper_stages": 4}, {}, "shared memory"),  # four Q/dO stages beside the dQ tile
     ({"dkdv_warps": 8}, {}, "dkdv_warps=8 has no meaning for the hopper kernel"),
     ({"maxnreg": 128}, {}, "maxnreg=128 has no meaning"),
 ])
@@ -80,8 +81,8 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
 
     space = SearchSpace.full("bwd")
     depths, slots, staged_rows, refused = set(), set(), set(), set()
-    for det in (True, False):
-        p = dataclasses.replace(P, head_dim=head_dim, deterministic=det)
+    for call_det in (True, False):
+        p = dataclasses.replace(P, head_dim=head_dim, deterministic=call_det)
         for m in (64, 128):
             for n in (64, 128):
                 for stages in (1, 2, 3, 4):
@@ -89,6 +90,9 @@ def test_launch_buffers_fit_beside_every_feasible_config(on_hopper: None, head_d
                                             hopper_stages=stages)
                     if not is_feasible(c, p)[0]:
                         continue
+                    # The order the launch runs (a free-order call whose staging does not
+                    # fit runs the fixed order).
+                    det = hopper_bwd_fixed_order(c, head_dim, call_det)
                     consumers = n // 64
                     chunks = head_dim // consumers // DQ_CHUNK
                     try:
@@ -312,3 +316,38 @@ def test_a_forced_config_the_launch_cannot_plan_fails_before_any_launch(
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     with pytest.raises(InfeasibleConfigError, match="staging buffers"):
         flash_attention(q, q, q, config=four)
+
+
+def test_a_free_order_call_runs_the_fixed_order_where_its_staging_does_not_fit(
+        on_hopper: None) -> None:
+    """The free order stages each consumer's fp32 dQ tile in shared memory; where that does
+    not fit beside a config's buffers, a ``deterministic=False`` call runs the fixed order
+    (a deterministic run serves it) instead of the config being rejected for it."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch, check_launch_plan
+
+    free = Problem(4, 32, 8, 4096, 4096, 128, "bf16", False, deterministic=False)
+    three = dataclasses.replace(HOP, hopper_block_m=64, hopper_block_n=128, hopper_stages=3)
+    two = dataclasses.replace(three, hopper_stages=2)
+    assert smem_bwd_hopper(three, 128, False) > DEFAULT_SMEM_BYTES \
+        >= smem_bwd_hopper(three, 128, True)
+    assert smem_bwd_hopper(two, 128, False) <= DEFAULT_SMEM_BYTES
+    assert hopper_bwd_fixed_order(three, 128, False) and hopper_bwd_fixed_order(three, 128, True)
+    assert not hopper_bwd_fixed_order(two, 128, False) and hopper_bwd_fixed_order(two, 128, True)
+    check_bwd(three, free)  # feasible: it runs in the fixed order
+    check_launch_plan(three, 128, False)
+    # A device with less shared memory than either order needs still refuses it.
+    with pytest.raises(InfeasibleConfigError, match="shared memory"):
+        check_bwd(three, free, smem_bytes=smem_bwd_hopper(three, 128, True) - 1)
+
+    b, hq, hk, s, d = 1, 8, 2, 256, 128
+    q, do, o = (torch.randn(b, hq, s, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
+    for cfg, fixed in ((three, True), (two, False)):
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                                 scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                                 deterministic=False)
+        assert launch.deterministic is fixed and launch.main.kwargs["DETERMINISTIC"] is fixed
+        bufs = launch.buffers(q, k, v, torch.randn(b, hq, s))
+        assert (bufs[6] is not bufs[5]) is fixed  # semaphores only for the fixed order
