@@ -57,11 +57,44 @@ def ptxas_report(ptx: str) -> str:
     return f"regs {','.join(regs)} spill st/ld {spills}"
 
 
+def shipped_report() -> None:
+    """Registers and spills of every shipped Hopper backward entry, in its own order."""
+    import json
+
+    from flashtune.kernels.config import config_from_dict
+    path = os.path.join(os.path.dirname(H.__file__), "..", "data", "shipped.json")
+    with open(path) as f:
+        entries = json.load(f)["entries"]
+    for e in entries:
+        if e["direction"] != "bwd" or e["config"].get("variant") != BWD_HOPPER:
+            continue
+        x, cfg = e["example"], config_from_dict("bwd", e["config"])
+        q, do, o = (torch.empty(x["batch"], x["heads_q"], x["seqlen_q"], x["head_dim"],
+                                dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.empty(x["batch"], x["heads_kv"], x["seqlen_k"], x["head_dim"],
+                            dtype=torch.bfloat16) for _ in range(2))
+        BUILT_PTX.clear()
+        _, steps = bwd_steps(do, q, k, v, o, torch.empty(q.shape[:3]), causal=x["causal"],
+                             sm_scale=default_scale(x["head_dim"]), window=tuple(x["window"]),
+                             softcap=x["softcap"], config=cfg,
+                             deterministic=e["problem"].get("deterministic", True))
+        for _, step in steps:
+            step()
+        print(f"{e['device']['name'][:11]:11s} {x['batch']}x{x['heads_q']}/{x['heads_kv']}x"
+              f"{x['seqlen_q']}x{x['head_dim']}{' causal' if x['causal'] else ''}"
+              f"{' win' if x['window'] != [-1, -1] else ''} m{cfg.hopper_block_m} "
+              f"n{cfg.hopper_block_n} s{cfg.hopper_stages} r{cfg.hopper_regs} "
+              f"w{cfg.hopper_walk}: {ptxas_report(BUILT_PTX['_attn_bwd_hopper_kernel'])}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--module", default=None, help="a copy of attn_bwd_hopper.py to build")
     ap.add_argument("--free", action="store_true", help="also the free order")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
+    ap.add_argument("--shipped", action="store_true",
+                    help="the shipped layer's Hopper backward entries instead of CASES")
     args = ap.parse_args()
     if args.module:
         spec = importlib.util.spec_from_file_location("_bwd_variant", args.module)
@@ -71,6 +104,9 @@ def main() -> None:
         mod._sm_count = lambda index: 132
         sys.modules["flashtune.kernels.attn_bwd_hopper"] = mod
         kpkg.attn_bwd_hopper = mod
+    if args.shipped:
+        shipped_report()
+        return
     for b, hq, hk, s, d, causal, m, st, stagger in CASES:
         for det in (True, False) if args.free else (True,):
             q, do, o = (torch.empty(b, hq, s, d, dtype=torch.bfloat16) for _ in range(3))
