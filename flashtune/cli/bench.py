@@ -74,9 +74,12 @@ class ImplNames(click.ParamType):
 
 
 def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[str, str]]:
-    """(the heuristic default (fwd, bwd), {direction: tuned config}, {direction: the layer
-    it came from}): "tuned" is what the dispatcher serves as tuned for the problem's key,
-    the user database over the shipped layer."""
+    """(the heuristic default (fwd, bwd), {direction: tuned config}, {direction: where it
+    came from}): "tuned" is what the dispatcher serves from its table for the problem's key,
+    the user database over the shipped layer: that key's own entry (where: its layer), or,
+    without one, the nearest entry that can serve it (where: ``"<layer> nearest <its
+    key>"``), as a ``deterministic=False`` call is served its deterministic twin's entry.
+    Only the heuristic default, where the table has neither, is not "tuned"."""
     from flashtune.kernels.config import default_bwd, default_fwd
 
     tuned: dict[str, Any] = {}
@@ -85,6 +88,9 @@ def _configs(p: Any, table: Any) -> tuple[tuple[Any, Any], dict[str, Any], dict[
         choice = table.choose(p, d)
         if choice.source == "tuned":
             tuned[d], layers[d] = choice.config, choice.layer
+        elif choice.source == "nearest":
+            tuned[d] = choice.config
+            layers[d] = f"{choice.layer} nearest {choice.entry.key.short()}"
     return (default_fwd(p), default_bwd(p)), tuned, layers
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -497,22 +498,20 @@ def test_bench_on_the_interpreter_records_no_clocks(tmp_path: Path) -> None:
     assert "clocks" not in doc and all("clocks" not in r for r in doc["rows"])
 
 
-def test_bench_calls_a_nondeterministic_shape_as_such(tmp_path: Path) -> None:
-    """A shape with `deterministic: false` is benched as `deterministic=False` calls, so that
-    a config tuned for that key (here the atomic-dQ backward, which only such calls may
-    run) is timed, not refused."""
+def _bench_nondet_with_entry(tmp_path: Path, entry: Any) -> tuple[Any, dict[str, Any]]:
+    """Bench TINY as a `deterministic: false` shape over a database holding one backward
+    entry, made by ``entry(p)`` from the shape's problem: (the problem, the bwd row)."""
     from flashtune.autotune.presets import load_shapes
     from flashtune.db import open_storage
     from flashtune.db.fingerprint import device_info, software_info
-    from flashtune.kernels.config import BWD_ATOMIC, config_to_dict, default_bwd
 
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps([dict(TINY[0], deterministic=False)]))
     (p,) = load_shapes(str(shapes))
     assert not p.deterministic
-    atomic = dict(config_to_dict(default_bwd(p)), variant=BWD_ATOMIC)
+    stored, cfg = entry(p)
     with open_storage(tmp_path / "t.db") as st:
-        st.put_result(device_info(), software_info(), p.key("bwd"), atomic, problem=p,
+        st.put_result(device_info(), software_info(), stored.key("bwd"), cfg, problem=stored,
                       median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
                       trials=1, search_seconds=1.0)
     res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
@@ -522,6 +521,37 @@ def test_bench_calls_a_nondeterministic_shape_as_such(tmp_path: Path) -> None:
     assert doc["errors"] == []
     bwd = next(r for r in doc["rows"] if r["timing"] == "bwd")
     assert bwd["tuned_directions"] == ["bwd"] and bwd["tflops"]["tuned"] > 0
+    return p, bwd
+
+
+def test_bench_calls_a_nondeterministic_shape_as_such(tmp_path: Path) -> None:
+    """A shape with `deterministic: false` is benched as `deterministic=False` calls, so that
+    a config tuned for that key (here the atomic-dQ backward, which only such calls may
+    run) is timed, not refused."""
+    from flashtune.kernels.config import BWD_ATOMIC, config_to_dict, default_bwd
+
+    _, bwd = _bench_nondet_with_entry(
+        tmp_path, lambda p: (p, dict(config_to_dict(default_bwd(p)), variant=BWD_ATOMIC)))
+    assert bwd["tuned_layers"] == {"bwd": "user"}
+
+
+def test_bench_times_the_deterministic_twin_a_nondeterministic_shape_is_served(
+        tmp_path: Path) -> None:
+    """With no entry for a `deterministic: false` key, the dispatcher serves its
+    deterministic twin's entry as nearest; the bench's "tuned" times that config, not the
+    heuristic default, and names where it came from."""
+    import dataclasses
+
+    from flashtune.kernels.config import config_to_dict, default_bwd
+
+    def twin_entry(p: Any) -> tuple[Any, dict[str, Any]]:
+        twin = dataclasses.replace(p, deterministic=True)
+        return twin, dict(config_to_dict(default_bwd(twin)), dq_block_m=32)
+
+    p, bwd = _bench_nondet_with_entry(tmp_path, twin_entry)
+    twin_key = dataclasses.replace(p, deterministic=True).key("bwd")
+    assert bwd["tuned_layers"] == {"bwd": f"user nearest {twin_key.short()}"}
+    assert "nondet" not in bwd["tuned_layers"]["bwd"]
 
 
 def test_the_nondeterministic_standard_shapes_are_the_standard_preset() -> None:

@@ -83,6 +83,7 @@ def _bit_identical(seed: int) -> list[str]:
     import torch
 
     from flashtune.kernels.attention import flash_attention
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, hopper_bwd_fixed_order
     from flashtune.problem import Problem
 
     from .helpers import make_qkv
@@ -102,6 +103,21 @@ def _bit_identical(seed: int) -> list[str]:
             if not all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0],
                                                                           strict=True)):
                 failures.append(f"{p} {cfg}: repeated deterministic backwards differ")
+        # A free-order call whose config's fp32 dQ staging does not fit beside three 64 x 128
+        # Q/dO stages runs the fixed order (config.hopper_bwd_fixed_order): its gradients
+        # must be the deterministic call's, bit for bit.
+        three = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_block_m=64,
+                                    hopper_block_n=128, hopper_stages=3)
+        assert hopper_bwd_fixed_order(three, p.head_dim, False)
+        pair = []
+        for det in (True, False):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = flash_attention(qg, kg, vg, causal=causal, window_size=window,
+                                  config=three, deterministic=det)
+            pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
+        if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
+            failures.append(f"{p} {three}: the free-order call that runs the fixed order "
+                            f"differs from the deterministic call")
     return failures
 
 
