@@ -83,6 +83,7 @@ from flashtune.kernels.config import (
     config_to_dict,
     default_config,
     default_portable_fwd,
+    for_nondeterministic_call,
 )
 from flashtune.problem import Problem, ProblemKey
 
@@ -278,6 +279,15 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         if r.key == key and r.device.fingerprint != here:
             add(dict(r.config), f"device:{r.device.name}")
     for r in nearest_results(table, key, n_nearest):
+        if r.key.deterministic and not key.deterministic:
+            # As the dispatcher serves it (in the order it was timed in), then in the free
+            # order; a config this version cannot read is left to the projection below.
+            try:
+                cfg = config_from_dict(direction, dict(r.config))
+            except ValueError:
+                pass
+            else:
+                add(config_to_dict(for_nondeterministic_call(cfg)), "nearest")
         add(dict(r.config), "nearest")
     # Where the device's architecture has a prior (:mod:`.priors`): the points that long
     # searches there found several moves away from the default.

@@ -21,6 +21,7 @@ from flashtune.kernels.config import (
     check,
     config_from_dict,
     default_config,
+    for_nondeterministic_call,
     host_bound,
 )
 from flashtune.problem import Problem, ProblemKey
@@ -83,8 +84,11 @@ class Table:
             if k != key and entry_host_bound(self.entries[k].result) == small)
         for dist, _, _, k in ranked:
             e = self.entries[k]
-            if dist != float("inf") and feasible(e.config, problem):
-                return Choice(e.config, "nearest", key, e.result, e.layer)
+            cfg = e.config
+            if k.deterministic and not key.deterministic:
+                cfg = for_nondeterministic_call(cfg)  # runs as it was timed
+            if dist != float("inf") and feasible(cfg, problem):
+                return Choice(cfg, "nearest", key, e.result, e.layer)
         return Choice(default_config(direction, problem), "default", key)
 
 

@@ -175,6 +175,9 @@ class BwdConfig:
     hopper_walk: int = knob(1, (0, 1), "Hopper, GQA: 1 walks the group's query heads in one "
                             "flat loop, 0 in a loop per head (ptxas spills differently)",
                             variants=_BH)
+    hopper_dq_fixed: int = knob(0, (0, 1), "Hopper, deterministic=False calls only: 1 keeps "
+                                "the fixed dQ order, 0 takes the free order where its "
+                                "staging fits", variants=_BH)
 
     kind = "bwd"
 
@@ -513,8 +516,21 @@ def hopper_bwd_fixed_order(c: BwdConfig, d: int, deterministic: bool,
     run serves a call that does not ask for one, so such a call keeps the config its
     deterministic twin was tuned to instead of falling to another entry: at 4x32/8x4096x128
     on the H200 that was another GQA ratio's config, 0.65x cuDNN against the fixed order's
-    0.86x (BENCHMARKS.md, issue 13, session 34)."""
-    return deterministic or smem_bwd_hopper(c, d, False) > smem_bytes
+    0.86x (BENCHMARKS.md, issue 13, session 34). ``c.hopper_dq_fixed`` keeps the fixed
+    order for a non-deterministic call too: a search may find it faster, and the
+    dispatcher sets it where a deterministic entry serves such a call, so that the config
+    runs as it was timed (the free order of one such config ran 2x slower at
+    2x32x8192x64 causal on the H200, BENCHMARKS.md issue 13, session 35)."""
+    return deterministic or bool(c.hopper_dq_fixed) or smem_bwd_hopper(c, d, False) > smem_bytes
+
+
+def for_nondeterministic_call(c: FwdConfig | BwdConfig) -> FwdConfig | BwdConfig:
+    """A deterministic entry's config as it serves a ``deterministic=False`` call: the
+    Hopper backward keeps the fixed dQ order the entry was timed in
+    (``hopper_dq_fixed``); any other config is unchanged."""
+    if isinstance(c, BwdConfig) and c.variant == BWD_HOPPER:
+        return dataclasses.replace(c, hopper_dq_fixed=1)
+    return c
 
 
 def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
@@ -522,6 +538,10 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"bwd hopper: hopper_block_m=128 needs head_dim <= 64 (got {p.head_dim}): a "
             f"consumer holds dK, dV and a 128-row dQ tile in registers")
+    if c.hopper_dq_fixed and p.deterministic:
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_fixed=1 is for deterministic=False calls; a deterministic "
+            "call always takes the fixed dQ order (use 0)")
     fixed = hopper_bwd_fixed_order(c, p.head_dim, p.deterministic, smem_bytes)
     _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, fixed), smem_bytes)
 

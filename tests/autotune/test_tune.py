@@ -397,3 +397,34 @@ def test_the_worker_makes_the_gate_case_before_the_first_candidate(tmp_path) -> 
     assert study.user_attrs["prepare_s"] > 0
     (first,) = [t for t in study.trials if t.user_attrs.get("measured")]
     assert first.state == TrialState.COMPLETE and first.user_attrs["reference_s"] == 0.0
+
+
+def test_a_free_order_search_seeds_its_deterministic_twin_in_its_fixed_order(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``deterministic=False`` backward search seeded from its deterministic twin's Hopper
+    entry tries that config first as the dispatcher serves it (``hopper_dq_fixed=1``, the
+    order it was timed in), then in the free order."""
+    from dataclasses import replace
+
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.kernels import config as kconfig
+    from flashtune.kernels.config import BWD_HOPPER, BwdConfig, config_to_dict
+    from flashtune.problem import Problem
+
+    monkeypatch.setattr(kconfig, "hopper_support", lambda: "")
+    det = Problem(2, 32, 32, 8192, 8192, 64, "bf16", True, deterministic=True)
+    twin = BwdConfig(variant=BWD_HOPPER, hopper_block_m=128, hopper_regs=216)
+    timing = dict(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, tflops=1.0, max_error=0.0,
+                  trials=1, search_seconds=1.0)
+    with open_storage(tmp_path / "t.db") as st:
+        st.put_result(device_info(), software_info(), det.key("bwd"), config_to_dict(twin),
+                      **timing)
+        free = replace(det, deterministic=False)
+        seeds = _seed_configs(st, device_info(), software_info(), free, "bwd",
+                              SearchSpace.full("bwd"), shipped=False)
+        nearest = [SearchSpace.full("bwd").config(p) for p, src in seeds if src == "nearest"]
+        assert nearest[:2] == [replace(twin, hopper_dq_fixed=1), twin]
+        # A deterministic search of the same key has no such seed.
+        seeds = _seed_configs(st, device_info(), software_info(), det, "bwd",
+                              SearchSpace.full("bwd"), shipped=False)
+        assert all(SearchSpace.full("bwd").config(p).hopper_dq_fixed == 0 for p, _ in seeds)

@@ -432,8 +432,39 @@ def test_a_free_order_call_is_served_its_deterministic_twins_hopper_config(
     table = _table.load_table(device_info(), str(db))
     free = dataclasses.replace(det, deterministic=False)
     c = table.choose(free, "bwd")
-    assert c.source == "nearest" and c.config == twin, c
+    # Served the twin's tiles, pinned to the fixed order it was timed in (session 35).
+    assert c.source == "nearest" and c.config == dataclasses.replace(twin, hopper_dq_fixed=1)
     assert c.entry is not None and c.entry.key == det.key("bwd")
-    assert kconfig.hopper_bwd_fixed_order(twin, 128, False)  # it runs in the fixed order
+    assert kconfig.hopper_bwd_fixed_order(c.config, 128, False)  # it runs in the fixed order
     # The deterministic call itself is served its own entry, as before.
     assert table.choose(det, "bwd").config == twin
+
+
+def test_a_deterministic_hopper_entry_serves_a_free_order_call_in_its_fixed_order(
+        db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deterministic Hopper entry was timed in the fixed dQ order; served to a
+    ``deterministic=False`` call it keeps that order (``hopper_dq_fixed=1``) even where its
+    free order would fit: on the H200 the free order of the twin's config ran 2x slower at
+    2x32x8192x64 causal (BENCHMARKS.md, issue 13, session 35). A non-deterministic entry is
+    served as stored, and a portable entry is served unchanged."""
+    from flashtune.dispatch import _table
+    from flashtune.kernels import config as kconfig
+    from flashtune.kernels.config import BWD_HOPPER
+
+    monkeypatch.setattr(kconfig, "hopper_support", lambda: "")
+    det = Problem(2, 32, 32, 8192, 8192, 64, "bf16", True, deterministic=True)
+    twin = BwdConfig(variant=BWD_HOPPER, hopper_block_m=128, hopper_stages=2, hopper_regs=216)
+    assert not kconfig.hopper_bwd_fixed_order(twin, 64, False)  # its free order fits
+    put(db, det, "bwd", twin)
+    portable = dataclasses.replace(det, seqlen_q=4096, seqlen_k=4096)
+    put(db, portable, "bwd", BWD_A)
+    table = _table.load_table(device_info(), str(db))
+    free = dataclasses.replace(det, deterministic=False)
+    served = table.choose(free, "bwd").config
+    assert served == dataclasses.replace(twin, hopper_dq_fixed=1)
+    assert kconfig.hopper_bwd_fixed_order(served, 64, False)
+    assert table.choose(dataclasses.replace(portable, deterministic=False), "bwd").config == BWD_A
+    # Once the free-order key has its own entry (here the free order), that is served.
+    put(db, free, "bwd", twin)
+    table = _table.load_table(device_info(), str(db))
+    assert table.choose(free, "bwd").config == twin

@@ -103,21 +103,24 @@ def _bit_identical(seed: int) -> list[str]:
             if not all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0],
                                                                           strict=True)):
                 failures.append(f"{p} {cfg}: repeated deterministic backwards differ")
-        # A free-order call whose config's fp32 dQ staging does not fit beside three 64 x 128
-        # Q/dO stages runs the fixed order (config.hopper_bwd_fixed_order): its gradients
-        # must be the deterministic call's, bit for bit.
+        # A free-order call runs the fixed order where its config's fp32 dQ staging does not
+        # fit beside three 64 x 128 Q/dO stages, and where the config pins it
+        # (hopper_dq_fixed, as the dispatcher serves a deterministic entry to such a call):
+        # its gradients must be the deterministic call's, bit for bit.
         three = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_block_m=64,
                                     hopper_block_n=128, hopper_stages=3)
-        assert hopper_bwd_fixed_order(three, p.head_dim, False)
-        pair = []
-        for det in (True, False):
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out = flash_attention(qg, kg, vg, causal=causal, window_size=window,
-                                  config=three, deterministic=det)
-            pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
-        if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
-            failures.append(f"{p} {three}: the free-order call that runs the fixed order "
-                            f"differs from the deterministic call")
+        two = dataclasses.replace(three, hopper_stages=2)
+        for cfg, free_cfg in ((three, three), (two, dataclasses.replace(two, hopper_dq_fixed=1))):
+            assert hopper_bwd_fixed_order(free_cfg, p.head_dim, False)
+            pair = []
+            for det, c in ((True, cfg), (False, free_cfg)):
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out = flash_attention(qg, kg, vg, causal=causal, window_size=window,
+                                      config=c, deterministic=det)
+                pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
+            if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
+                failures.append(f"{p} {free_cfg}: the free-order call that runs the fixed "
+                                f"order differs from the deterministic call")
     return failures
 
 

@@ -177,11 +177,38 @@ def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
 def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
-            "hopper_stagger", "hopper_walk", "pre_block_m", "variant"} == fields
+            "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "pre_block_m",
+            "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
     cfg = dataclasses.replace(HOP, hopper_block_n=64, hopper_regs=232)
     assert config_from_dict("bwd", config_to_dict(cfg)) == cfg
+
+
+def test_dq_fixed_keeps_a_free_order_call_in_the_fixed_order(on_hopper: None) -> None:
+    """``hopper_dq_fixed`` (session 35): 1 runs a ``deterministic=False`` call in the fixed
+    dQ order even where the free order fits; configs written before it read as 0; a
+    deterministic problem refuses 1 (it always takes the fixed order: one kernel, one
+    spelling), and :func:`for_nondeterministic_call` sets it on Hopper configs only."""
+    from flashtune.kernels.config import for_nondeterministic_call
+
+    old = config_to_dict(HOP)
+    del old["hopper_dq_fixed"]
+    assert config_from_dict("bwd", old).hopper_dq_fixed == 0
+    pinned = dataclasses.replace(HOP, hopper_dq_fixed=1)
+    assert config_from_dict("bwd", config_to_dict(pinned)) == pinned
+    assert not hopper_bwd_fixed_order(HOP, 128, False)
+    assert hopper_bwd_fixed_order(pinned, 128, False) and hopper_bwd_fixed_order(HOP, 128, True)
+    free = dataclasses.replace(P, deterministic=False)
+    det = dataclasses.replace(P, deterministic=True)
+    check_bwd(pinned, free)
+    check_bwd(HOP, det)
+    with pytest.raises(InfeasibleConfigError, match="hopper_dq_fixed=1 is for "
+                                                    "deterministic=False"):
+        check_bwd(pinned, det)
+    assert for_nondeterministic_call(HOP) == pinned
+    portable = default_bwd(dataclasses.replace(P, head_dim=96))
+    assert for_nondeterministic_call(portable) is portable
 
 
 def test_gqa_walk_is_a_knob_and_configs_written_before_it_read_as_the_flat_walk() -> None:
