@@ -108,6 +108,16 @@ class SearchSpace:
             out[name] = tuple(dict.fromkeys(vals))
         return SearchSpace(self.direction, tuple(out.items()))
 
+    def for_problem(self, problem: Problem) -> SearchSpace:
+        """This space less the choices ``problem`` cannot take: a deterministic backward
+        always runs the Hopper kernel's fixed dQ order, so ``hopper_dq_fixed`` stays at 0
+        there (1 is for ``deterministic=False`` calls; the feasibility rules refuse it), and
+        neither the sampler nor a polishing walk spends a pick on it."""
+        if (self.direction == "bwd" and problem.deterministic
+                and len(self.fields.get("hopper_dq_fixed", ())) > 1):
+            return self.restrict(hopper_dq_fixed=0)
+        return self
+
     @property
     def size(self) -> int:
         n = 1

@@ -343,6 +343,7 @@ def _budget(s: Settings, problem: Problem, workers: int) -> tuple[Settings, int,
 def _tune_one(problem: Problem, direction: str, target: _Target, settings: Settings,
               progress: ProgressFn | None) -> TuneResult:
     t_start = time.perf_counter()
+    settings = replace(settings, space=settings.space.for_problem(problem))
     s, lookahead, n_startup = _budget(settings, problem, target.session.compile_workers)
     dev, sw = target.device, target.software
     name = study_name(dev.fingerprint, sw.fingerprint, problem, direction, s.space, s.sampler)

@@ -211,6 +211,28 @@ def test_dq_fixed_keeps_a_free_order_call_in_the_fixed_order(on_hopper: None) ->
     assert for_nondeterministic_call(portable) is portable
 
 
+def test_a_deterministic_search_never_proposes_dq_fixed(on_hopper: None) -> None:
+    """``SearchSpace.for_problem`` (which every search applies first) fixes
+    ``hopper_dq_fixed`` at 0 for a deterministic backward: no sampler pick or polishing move
+    is spent on a value the rules refuse there. A free-order problem keeps both."""
+    full = SearchSpace.full("bwd")
+    det = dataclasses.replace(P, deterministic=True)
+    free = dataclasses.replace(P, deterministic=False)
+    assert full.for_problem(det).fields["hopper_dq_fixed"] == (0,)
+    assert full.for_problem(free).fields["hopper_dq_fixed"] == (0, 1)
+    assert SearchSpace.full("fwd").for_problem(det) == SearchSpace.full("fwd")
+    narrowed = full.for_problem(det)
+    hopper = config_to_dict(HOP)
+    assert all(n["hopper_dq_fixed"] == 0 for n in narrowed.neighbours(hopper, 1))
+    assert any(n["hopper_dq_fixed"] == 1 for n in full.for_problem(free).neighbours(hopper, 1))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(40):
+        trial = study.ask()
+        cfg = narrowed.suggest(trial, det)
+        assert cfg.hopper_dq_fixed == 0
+        study.tell(trial, 1.0)
+
+
 def test_gqa_walk_is_a_knob_and_configs_written_before_it_read_as_the_flat_walk() -> None:
     """``hopper_walk`` (session 34): 1, the default, walks a GQA group's query heads in one
     flat loop, 0 in a loop per head (the code before the knob, which the shipped H100
