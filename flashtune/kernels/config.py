@@ -513,14 +513,14 @@ def hopper_bwd_fixed_order(c: BwdConfig, d: int, deterministic: bool,
     """Whether the Hopper backward runs ``c`` in the fixed dQ order: for every deterministic
     call, and for a non-deterministic one whose free order does not fit (its per-consumer
     fp32 dQ staging beside ``c``'s buffers; the fixed order stages less). A deterministic
-    run serves a call that does not ask for one, so such a call keeps the config its
-    deterministic twin was tuned to instead of falling to another entry: at 4x32/8x4096x128
-    on the H200 that was another GQA ratio's config, 0.65x cuDNN against the fixed order's
-    0.86x (BENCHMARKS.md, issue 13, session 34). ``c.hopper_dq_fixed`` keeps the fixed
-    order for a non-deterministic call too: a search may find it faster, and the
-    dispatcher sets it where a deterministic entry serves such a call, so that the config
-    runs as it was timed (the free order of one such config ran 2x slower at
-    2x32x8192x64 causal on the H200, BENCHMARKS.md issue 13, session 35)."""
+    run serves a call that does not ask for one, so such a config is run rather than
+    refused: refused, a deterministic entry of three 64x128 stages at D=128 could not serve
+    its free-order twin, and the dispatcher's nearest rung fell to another GQA ratio's entry
+    (BENCHMARKS.md, issue 13, session 34). ``c.hopper_dq_fixed`` keeps the fixed order for a
+    non-deterministic call too: a search may find it faster, and the dispatcher sets it
+    where a deterministic entry serves such a call, so that the config runs as it was timed
+    (the free order of one such config ran 2x slower at 2x32x8192x64 causal on the H200,
+    BENCHMARKS.md issue 13, session 35)."""
     return deterministic or bool(c.hopper_dq_fixed) or smem_bwd_hopper(c, d, False) > smem_bytes
 
 

@@ -415,9 +415,9 @@ def test_a_free_order_call_is_served_its_deterministic_twins_hopper_config(
         db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``deterministic=False`` call whose only same-key entry is deterministic, with a
     Hopper config whose free order does not fit in shared memory, is served that entry (run
-    in the fixed order), not another GQA ratio's entry that fits. Before session 34 the
-    twin was rejected as infeasible for the free order, and the H200's 4x32/8x4096x128
-    free-order calls ran another ratio's configs at 0.63-0.65x cuDNN (BENCHMARKS.md)."""
+    in the fixed order), not another GQA ratio's entry that fits. Before session 34's fix
+    the twin was rejected as infeasible for the free order, and the nearest rung fell to
+    another ratio's entry (BENCHMARKS.md, issue 13, session 34)."""
     from flashtune.dispatch import _table
     from flashtune.kernels import config as kconfig
     from flashtune.kernels.config import BWD_HOPPER
