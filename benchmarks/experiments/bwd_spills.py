@@ -92,6 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--module", default=None, help="a copy of attn_bwd_hopper.py to build")
     ap.add_argument("--free", action="store_true", help="also the free order")
+    ap.add_argument("--groups", action="store_true",
+                    help="CASES with hopper_dq_groups=1 (the fixed order's column groups)")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -113,7 +115,8 @@ def main() -> None:
             k, v = (torch.empty(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
             lse = torch.empty(b, hq, s)
             cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=m, hopper_block_n=128,
-                            hopper_stages=st, hopper_regs=240, hopper_stagger=stagger)
+                            hopper_stages=st, hopper_regs=240, hopper_stagger=stagger,
+                            hopper_dq_groups=int(args.groups and det))
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
@@ -126,7 +129,8 @@ def main() -> None:
                 with open(os.path.join(args.save, name + ".ptx"), "w") as f:
                     f.write(ptx)
             print(f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} m{m} s{st} o{stagger} "
-                  f"{'det' if det else 'free'}: {ptxas_report(ptx)}", flush=True)
+                  f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}: "
+                  f"{ptxas_report(ptx)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -288,7 +288,10 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
                 pass
             else:
                 add(config_to_dict(for_nondeterministic_call(cfg)), "nearest")
-        add(dict(r.config), "nearest")
+        free = dict(r.config)
+        if r.key.deterministic and not key.deterministic and free.get("hopper_dq_groups"):
+            free["hopper_dq_groups"] = 0  # column groups stage the fixed order only
+        add(free, "nearest")
     # Where the device's architecture has a prior (:mod:`.priors`): the points that long
     # searches there found several moves away from the default.
     for point in prior_points(direction, problem, device.capability):

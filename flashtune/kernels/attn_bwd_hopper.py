@@ -230,20 +230,35 @@ def _dq_chunk(ds_smem, ds_base, ds_buf, k_smem, cid: gl.constexpr, c: gl.constex
 
 
 @gluon.jit
+def _grouped(dq):
+    """A fixed-order dQ chunk [BLOCK_M, DQ_CHUNK] as its column groups of eight,
+    [DQ_CHUNK // 8, BLOCK_M, 8]: the staging order of ``hopper_dq_groups=1`` (a register
+    reshape and permute, no data movement). The wgmma accumulator's lanes 0-15 hold rows
+    0-3; staged in rows of DQ_CHUNK columns, each half-warp's 64-bit stores fall on the
+    same two 16-byte units of four 128-byte rows (2-way bank conflicts, which the 128-byte
+    swizzle does not break), staged in groups they fill one 128-byte line."""
+    M: gl.constexpr = dq.shape[0]
+    N: gl.constexpr = dq.shape[1]
+    return gl.permute(gl.reshape(dq, [M, N // 8, 8]), (1, 0, 2))
+
+
+@gluon.jit
 def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                    seq_k, offset, left, right, n_m, GQA: gl.constexpr, WALK: gl.constexpr,
                    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   DQ_RING: gl.constexpr):
+                   DQ_RING: gl.constexpr, DQ_GROUPS: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
     this key tile's turn, add the staged chunks with TMA reduce-adds, and pass the turn on
     once the reductions have read their sources (as FA3 orders its bulk reduce-adds). The
     consumer only waits for a free staging buffer, so a turn's wait overlaps its next
-    tiles' work."""
+    tiles' work. With ``DQ_GROUPS`` a chunk is staged and added in column groups of eight
+    (see _grouped) through a rank-5 view of the accumulator, [b, hq, D / 8, sq, 8]."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
-    DQ_CHUNK: gl.constexpr = desc_dq.block_type.shape[3]
+    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
+                              if DQ_GROUPS else desc_dq.block_type.shape[3])
     DQ_COLS: gl.constexpr = D // CONSUMERS
     CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
     pid_n = _key_tile(ORDER)
@@ -273,9 +288,15 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                 slot = (cnt * CHUNKS + c) % DQ_RING
                 mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
                               ((cnt * CHUNKS + c) // DQ_RING) & 1)
-                _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
-                                dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                                    gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
+                if DQ_GROUPS:
+                    _tma_reduce_add(desc_dq, [b, h, (cid * DQ_COLS + c * DQ_CHUNK) // 8, start, 0],
+                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                        gl.float32, [1, 1, DQ_CHUNK // 8, BLOCK_M, 8],
+                                        desc_dq.layout))
+                else:
+                    _tma_reduce_add(desc_dq, [b, h, start, cid * DQ_COLS + c * DQ_CHUNK],
+                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                        gl.float32, [1, 1, BLOCK_M, DQ_CHUNK], desc_dq.layout))
             tma.store_wait(0)
             for c in gl.static_range(CHUNKS):
                 mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
@@ -287,7 +308,8 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
 @gluon.jit
 def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
               dq_empty, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
-              CONSUMERS: gl.constexpr, DQ_RING: gl.constexpr, dq_layout: gl.constexpr):
+              CONSUMERS: gl.constexpr, DQ_RING: gl.constexpr, dq_layout: gl.constexpr,
+              DQ_GROUPS: gl.constexpr):
     """The fixed order's dQ columns of this consumer for the ``t``-th tile of its walk,
     when they are computed one tile late (DEFER): wait for both consumers' dS of it in
     its slot, then hand the columns to the writer in chunks through the staging ring
@@ -304,7 +326,10 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
             mbarrier.arrive(ds_free.index(slot), count=1)
         r = t * CHUNKS + c
         mbarrier.wait(dq_empty.index(cid * DQ_RING + r % DQ_RING), ((r // DQ_RING) & 1) ^ 1)
-        dq_smem.index(cid * DQ_RING + r % DQ_RING).store(dq)
+        if DQ_GROUPS:
+            dq_smem.index(cid * DQ_RING + r % DQ_RING).store(_grouped(dq))
+        else:
+            dq_smem.index(cid * DQ_RING + r % DQ_RING).store(dq)
         fence_async_shared()
         gl.thread_barrier()
         if c + 1 < CHUNKS:
@@ -324,7 +349,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
-                  STAGE_LSE: gl.constexpr):
+                  STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -357,7 +382,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
     # The fixed order hands its dQ columns to the writer in chunks of DQ_CHUNK (see the
     # staging buffers in the kernel); the free order stages the whole tile at once.
-    DQ_CHUNK: gl.constexpr = desc_dq.block_type.shape[3]
+    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
+                              if DQ_GROUPS else desc_dq.block_type.shape[3])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_CHUNK, 16])
     # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
@@ -471,7 +497,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 if cnt > 0:
                     _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
                               dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
-                              DQ_RING, dq_layout)
+                              DQ_RING, dq_layout, DQ_GROUPS)
             else:
                 if SPLIT_D:
                     mbarrier.wait(ds_free.index(0), (cnt & 1) ^ 1)  # the last tile's dQ is done
@@ -503,7 +529,10 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                         slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
                         lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
                         mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
-                        dq_smem.index(cid * DQ_RING + slot).store(dq)
+                        if DQ_GROUPS:
+                            dq_smem.index(cid * DQ_RING + slot).store(_grouped(dq))
+                        else:
+                            dq_smem.index(cid * DQ_RING + slot).store(dq)
                         fence_async_shared()
                         gl.thread_barrier()
                         if c + 1 < DQ_COLS // DQ_CHUNK:
@@ -535,7 +564,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     if DEFER:
         if cnt > 0:
             _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
-                      dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout)
+                      dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout,
+                      DQ_GROUPS)
     tma.store_wait(0)
 
     rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
@@ -560,7 +590,7 @@ def _attn_bwd_hopper_kernel(
     STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
-    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr,
+    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -587,9 +617,14 @@ def _attn_bwd_hopper_kernel(
     # box) per consumer, as deep as shared memory allows (the host's _smem_plan), between
     # the consumers and the dQ writer.
     DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M,
-                                                     desc_dq.block_type.shape[3]], dq_layout)
+    if DQ_GROUPS:  # the fixed order's chunks in column groups of eight (see _grouped)
+        dq_smem = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFS, desc_dq.block_type.shape[2], BLOCK_M, 8],
+            gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32, rank=3))
+    else:
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M,
+                                                         desc_dq.block_type.shape[3]], dq_layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(DQ_BUFS):
@@ -629,7 +664,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                                  delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -638,7 +673,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -647,10 +682,10 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
@@ -662,7 +697,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -671,7 +706,7 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -689,7 +724,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -698,7 +733,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -716,13 +751,28 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
         ], [4], [CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
 
 DQ_CHUNK = 32  # the fixed order's dQ columns per staging buffer (128 bytes of fp32: a swizzle row)
+# With hopper_dq_groups=1 (column groups of eight, see _grouped) a chunk need not be one
+# swizzle row: up to DQ_GROUPED_CHUNK columns, one chunk per consumer per query tile at
+# D=128 (one fence, barrier and hand-off instead of two).
+DQ_GROUPED_CHUNK = 64
+
+
+def dq_chunk(c: BwdConfig, d: int, deterministic: bool) -> int:
+    """The dQ columns of one staging buffer: the whole tile in the free order, else a chunk
+    of DQ_CHUNK columns, or with ``hopper_dq_groups`` up to DQ_GROUPED_CHUNK (at most a
+    consumer's share of D)."""
+    if not deterministic:
+        return d
+    if c.hopper_dq_groups:
+        return min(DQ_GROUPED_CHUNK, d // (c.hopper_block_n // ROWS_PER_WG))
+    return DQ_CHUNK
 
 
 # Whether the fixed order with two consumers computes each tile's dQ columns one tile late,
@@ -767,8 +817,9 @@ def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) 
     if not deterministic:
         return SmemPlan(1, 1, STAGE_LSE and base + rows <= DEFAULT_SMEM_BYTES)
     consumers = c.hopper_block_n // ROWS_PER_WG
-    chunks = d // consumers // DQ_CHUNK
-    entry = consumers * c.hopper_block_m * DQ_CHUNK * 4
+    chunk = dq_chunk(c, d, deterministic)
+    chunks = d // consumers // chunk
+    entry = consumers * c.hopper_block_m * chunk * 4
     stage_lse = STAGE_LSE and base + rows + chunks * entry <= DEFAULT_SMEM_BYTES
     if stage_lse:
         base += rows
@@ -853,13 +904,21 @@ class HopperBwdLaunch:
         # LSE and Δ through shared memory where there is room and TMA can describe them
         # (the LSE must then be 16-byte aligned: see buffers).
         self.stage_lse = plan.stage_lse and sq % 4 == 0
-        # The fixed order stages dQ in 32-column chunks (see the kernel), the free order whole.
-        dq_cols = DQ_CHUNK if deterministic else d
+        # The fixed order stages dQ in chunks (see the kernel), the free order whole; with
+        # column groups (fixed order only) the accumulator is seen as [b, hq, d / 8, sq, 8].
+        dq_cols = dq_chunk(c, d, deterministic)
+        groups = bool(c.hopper_dq_groups) and deterministic
+        if groups:
+            base = torch.empty(1, device=q.device, dtype=torch.float32)
+            tacc = template(TensorDescriptor(
+                base, [b, hq, d // 8, sq, 8], [hq * sq * d, sq * d, 8, d, 1],
+                [1, 1, dq_cols // 8, m, 8], gl.NVMMASharedLayout(32, 32, rank=5)))
+        else:
+            tacc = _template(self.acc_shape, torch.float32, q.device, [1, 1, m, dq_cols],
+                             gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
         self.templates = (
             template(_descriptor(q, m)), template(_descriptor(do, m)),
-            template(_descriptor(k, ROWS_PER_WG)), template(_descriptor(v, ROWS_PER_WG)),
-            _template(self.acc_shape, torch.float32, q.device, [1, 1, m, dq_cols],
-                      gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32)))
+            template(_descriptor(k, ROWS_PER_WG)), template(_descriptor(v, ROWS_PER_WG)), tacc)
         rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         self.rows = (_template((b * hq, sq), torch.float32, q.device, [1, m], rows_layout)
                      if self.stage_lse else None)
@@ -880,7 +939,7 @@ class HopperBwdLaunch:
                  ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
-                 STAGE_LSE=self.stage_lse, num_warps=4), 10)
+                 STAGE_LSE=self.stage_lse, DQ_GROUPS=groups, num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         self.finish = BoundLaunch(
             _attn_bwd_dq_finish, (triton.cdiv(sq, 64), b * hq),

@@ -178,6 +178,9 @@ class BwdConfig:
     hopper_dq_fixed: int = knob(0, (0, 1), "Hopper, deterministic=False calls only: 1 keeps "
                                 "the fixed dQ order, 0 takes the free order where its "
                                 "staging fits", variants=_BH)
+    hopper_dq_groups: int = knob(0, (0, 1), "Hopper, fixed dQ order: 1 stages each dQ chunk "
+                                 "in column groups of eight, up to 64 columns a chunk; 0 in "
+                                 "rows of 32 columns", variants=_BH)
 
     kind = "bwd"
 
@@ -543,6 +546,11 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
             "bwd hopper: hopper_dq_fixed=1 is for deterministic=False calls; a deterministic "
             "call always takes the fixed dQ order (use 0)")
     fixed = hopper_bwd_fixed_order(c, p.head_dim, p.deterministic, smem_bytes)
+    if c.hopper_dq_groups and not fixed:
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_groups=1 stages the fixed dQ order's chunks, and this "
+            "deterministic=False call runs the free order; use 0, or hopper_dq_fixed=1 to "
+            "keep the fixed order")
     _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, fixed), smem_bytes)
 
 

@@ -262,28 +262,41 @@ def test_compiling_the_next_polishing_points_ahead_cuts_the_wait(
         tmp_path, monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
     """On the simulated clock (a compile takes four trials, a backward's launches are
     built one by one), the search waits for compiles far less when the next polishing
-    points compile ahead, and never has more compiles running than the pool's workers
-    less the ones kept free for a candidate asked for now."""
+    points compile ahead, and the compiles started ahead never run on more than the
+    pool's workers less the ones kept free for a candidate asked for now."""
     import flashtune.autotune.search as search_mod
 
     def run(prefetch: int) -> LogSession:
         monkeypatch.setattr(search_mod, "PREFETCH", prefetch)
         session = LogSession()
-        running: list[int] = []
+        ahead_running: list[int] = []
         submit = session._pool.submit  # type: ignore[union-attr]
+        prefetching = [False]
+        plain_prefetch = search_mod.Search._prefetch
+
+        def flagged(self: Any) -> None:
+            prefetching[0] = True
+            try:
+                plain_prefetch(self)
+            finally:
+                prefetching[0] = False
 
         def counted(problem: Any, d: str, config: dict[str, Any]) -> Future[Any]:
             fut = submit(problem, d, config)
-            futs.append(fut)
-            running.append(sum(not f.done() for f in futs))
+            if prefetching[0]:
+                ahead.append(fut)
+                ahead_running.append(sum(not f.done() for f in ahead))
             return fut
 
-        futs: list[Future[Any]] = []
+        ahead: list[Future[Any]] = []
+        monkeypatch.setattr(search_mod.Search, "_prefetch", flagged)
         session._pool.submit = counted  # type: ignore[union-attr,method-assign]
         tune(PROBLEM, direction, time_budget=600, patience=15, retime_rounds=0,
              storage=tmp_path / f"p{prefetch}.db", session=session, store=False)
-        # The pool's own queue holds the candidates asked for (the lookahead) on top.
-        assert max(running) <= LogPool.n - search_mod.PREFETCH_RESERVE + 1, running
+        # Candidates asked for now (the sampler's lookahead) take the reserved workers.
+        assert max(ahead_running, default=0) <= LogPool.n - search_mod.PREFETCH_RESERVE, \
+            ahead_running
+        assert bool(ahead_running) == bool(prefetch)
         return session
 
     ahead, alone = run(search_mod.PREFETCH), run(0)

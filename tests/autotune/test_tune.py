@@ -428,3 +428,15 @@ def test_a_free_order_search_seeds_its_deterministic_twin_in_its_fixed_order(
         seeds = _seed_configs(st, device_info(), software_info(), det, "bwd",
                               SearchSpace.full("bwd"), shipped=False)
         assert all(SearchSpace.full("bwd").config(p).hopper_dq_fixed == 0 for p, _ in seeds)
+    # A twin that stages in column groups (the fixed order only): pinned it keeps them, in
+    # the free order it seeds the rows' staging, which that order's rules allow.
+    grouped = replace(twin, hopper_dq_groups=1)
+    with open_storage(tmp_path / "g.db") as st:
+        st.put_result(device_info(), software_info(), det.key("bwd"), config_to_dict(grouped),
+                      **timing)
+        seeds = _seed_configs(st, device_info(), software_info(), free, "bwd",
+                              SearchSpace.full("bwd"), shipped=False)
+        nearest = [SearchSpace.full("bwd").config(p) for p, src in seeds if src == "nearest"]
+        assert nearest[:2] == [replace(grouped, hopper_dq_fixed=1), twin]
+        kconfig.check_bwd(nearest[0], free)
+        kconfig.check_bwd(nearest[1], free)

@@ -177,7 +177,8 @@ def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
 def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
-            "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "pre_block_m",
+            "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
+            "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -209,6 +210,46 @@ def test_dq_fixed_keeps_a_free_order_call_in_the_fixed_order(on_hopper: None) ->
     assert for_nondeterministic_call(HOP) == pinned
     portable = default_bwd(dataclasses.replace(P, head_dim=96))
     assert for_nondeterministic_call(portable) is portable
+
+
+def test_dq_groups_is_a_fixed_order_knob(on_hopper: None) -> None:
+    """``hopper_dq_groups`` (session 36): 1 stages the fixed order's dQ chunks in column
+    groups of eight, 64 columns a chunk where a consumer's share of D allows. Configs
+    written before it read as 0; a call that runs the free order refuses 1 (its staging is
+    the whole tile: one kernel, one spelling), a pinned free-order call takes it."""
+    from flashtune.kernels.attn_bwd_hopper import (
+        DQ_CHUNK,
+        DQ_GROUPED_CHUNK,
+        _smem_plan,
+        dq_chunk,
+    )
+
+    old = config_to_dict(HOP)
+    del old["hopper_dq_groups"]
+    assert config_from_dict("bwd", old).hopper_dq_groups == 0
+    grouped = dataclasses.replace(HOP, hopper_dq_groups=1)
+    assert config_from_dict("bwd", config_to_dict(grouped)) == grouped
+    det = dataclasses.replace(P, deterministic=True)
+    free = dataclasses.replace(P, deterministic=False)
+    check_bwd(grouped, det)
+    with pytest.raises(InfeasibleConfigError, match="hopper_dq_groups=1 stages the fixed dQ "
+                                                    "order's chunks"):
+        check_bwd(grouped, free)
+    check_bwd(dataclasses.replace(grouped, hopper_dq_fixed=1), free)
+    # Chunk widths: two consumers at D=128 take one 64-column chunk each, at D=64 their
+    # 32 columns; one consumer (64 keys) at D=128 two chunks of 64; rows of 32 without the
+    # knob, the whole tile in the free order.
+    one = dataclasses.replace(grouped, hopper_block_n=64)
+    assert dq_chunk(grouped, 128, True) == DQ_GROUPED_CHUNK == 64
+    assert dq_chunk(grouped, 64, True) == 32
+    assert dq_chunk(one, 128, True) == 64
+    assert dq_chunk(HOP, 128, True) == DQ_CHUNK == 32
+    assert dq_chunk(HOP, 128, False) == 128
+    # The staging ring holds at least a query tile's chunks, in bytes as without the knob:
+    # at D=128 one 64-column chunk per tile (32 KiB for two consumers), not two of 32.
+    plain, wide = _smem_plan(HOP, 128, True), _smem_plan(grouped, 128, True)
+    assert plain.dq_ring >= 128 // 2 // 32 and wide.dq_ring >= 1
+    assert plain.dq_ring * 32 == wide.dq_ring * 64
 
 
 def test_a_deterministic_search_never_proposes_dq_fixed(on_hopper: None) -> None:
