@@ -24,6 +24,18 @@ from typing import Any
 from flashtune._env import interpreting
 
 
+def _clock_sampler(torch: Any) -> Any:
+    """A started :class:`~flashtune.gpu_clocks.ClockSampler` of this worker's GPU (an
+    unavailable one, whose windows stay empty, where NVML cannot be used): the final
+    re-timing records the SM clock it ran at, as the bench records its rows', so a stored
+    figure and a bench row can be compared clock for clock (issue 17: the bench read up to
+    10% faster than the sweep's figures on the H200, session 36). It runs until the
+    worker exits (a daemon thread)."""
+    from flashtune.gpu_clocks import ClockSampler
+
+    return ClockSampler.for_cuda_device(torch.cuda.current_device()).__enter__()
+
+
 def _warm_libraries(torch: Any) -> None:
     """Pay the CUDA libraries' one-time setup now, at the worker's start (a sweep's
     ``TuneSession.warm``), not in the first problem's gate: cuBLAS, the autograd engine's
@@ -65,6 +77,7 @@ def _serve(conn: Connection) -> None:
     device = "cpu" if interp or not torch.cuda.is_available() else "cuda"
     rules = _faults.rules_from_env()
     benches: dict[Any, Bench] = {}
+    sampler: Any = None  # the SM clock's sampler, started at the first final re-timing
 
     def bench_for(problem: Problem) -> Bench:
         b = benches.get(problem)
@@ -118,9 +131,19 @@ def _serve(conn: Connection) -> None:
             cfgs = [config_from_dict(direction, c) for c in msg["configs"]]
             t0 = time.perf_counter()
             try:
-                ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"], **timing)
+                if msg.get("clocks") and device == "cuda":
+                    if sampler is None:
+                        sampler = _clock_sampler(torch)
+                    with sampler.window() as w:
+                        ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"],
+                                    **timing)
+                    clocks = w.summary() if sampler.available else None
+                else:
+                    ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"],
+                                **timing)
+                    clocks = None
                 conn.send({"status": "ok", "timings": [t.as_dict() for t in ts],
-                           "seconds": time.perf_counter() - t0})
+                           "seconds": time.perf_counter() - t0, "clocks": clocks})
             except Exception as e:
                 conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
                 return

@@ -140,6 +140,9 @@ class TuneResult:
     interpreter: bool
     retimed: list[dict[str, Any]] = field(default_factory=list)
     winner_source: str = "sampler"
+    # The SM clock, power and limit reasons while the finalists were re-timed (GPU with
+    # NVML only; see flashtune.gpu_clocks.summarize), else None.
+    retime_clocks: dict[str, Any] | None = None
 
     @property
     def speedup_over_default(self) -> float:
@@ -446,6 +449,7 @@ class _Verdict:
     p80_ms: float | None = None
     default_ms: float | None = None
     retimed: list[dict[str, Any]] = field(default_factory=list)
+    clocks: dict[str, Any] | None = None
 
 
 def _retime(search: Search, cands: list[Any], verdict: _Verdict,
@@ -456,12 +460,15 @@ def _retime(search: Search, cands: list[Any], verdict: _Verdict,
     rounds = search.s.retime_rounds
     reply = search.session.worker.request(
         {"op": "retime", "problem": search.problem.as_dict(), "direction": search.direction,
-         "configs": configs, "rounds": rounds, "timing": search.s.timing},
+         "configs": configs, "rounds": rounds, "timing": search.s.timing, "clocks": True},
         timeout=search.s.trial_timeout * len(cands) * max(rounds, 1))
     if reply.get("status") != "ok":
         search.study.set_user_attr("retime_error", str(reply.get("detail", ""))[:500])
         return
     ts = reply["timings"]
+    verdict.clocks = reply.get("clocks")
+    if verdict.clocks is not None:
+        search.study.set_user_attr("retime_clocks", verdict.clocks)
     for c, tm in zip(cands, ts, strict=True):
         verdict.retimed.append({"config": search.s.space.complete(c.params), "trial": c.number,
                                 "trial_ms": c.value, **tm})
@@ -514,7 +521,8 @@ def _finish(search: Search, target: _Target) -> TuneResult:
         stop_reason=search.stop_reason or "done", study_name=study.study_name,
         storage_url=target.url, device=target.device.name,
         interpreter=target.session.interpret, retimed=verdict.retimed,
-        winner_source=str(winner.user_attrs.get("seed_source", "sampler")))
+        winner_source=str(winner.user_attrs.get("seed_source", "sampler")),
+        retime_clocks=verdict.clocks)
     search.emit(event="done", result=res)
     return res
 

@@ -132,6 +132,10 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
         click.echo(f"  config   {json.dumps(config_to_dict(r.config), sort_keys=True)}")
         click.echo(f"  time     {r.median_ms:.4g} ms (p20 {r.p20_ms:.4g}, p80 {r.p80_ms:.4g}), "
                    f"{r.tflops:.3g} TFLOP/s{dflt}")
+        if r.retime_clocks:
+            mhz = r.retime_clocks["sm_mhz"]
+            click.echo(f"  clock    {mhz['median']:g} MHz median ({mhz['min']:g}-{mhz['max']:g}) "
+                       f"while the finalists were re-timed")
         click.echo(f"  trials   {r.trials} measured ({r.complete} ok, {r.failed} failed, "
                    f"{r.pruned} pruned), {r.infeasible} infeasible; stopped: {r.stop_reason}; "
                    f"{r.search_seconds:.1f} s")

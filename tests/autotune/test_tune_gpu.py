@@ -19,3 +19,15 @@ def test_tune_on_gpu_with_compile_pool(tmp_path) -> None:
         assert r.stored and not r.interpreter and r.complete >= 1
         assert r.median_ms > 0 and r.tflops > 0
         assert r.pool_compile_seconds > 0
+        # The final re-timing says what SM clock it ran at (NVML comes with the driver),
+        # as the bench's rows do, and the study keeps it.
+        if len(r.retimed) > 1:
+            clocks = r.retime_clocks
+            assert clocks is not None and clocks["samples"] > 0, clocks
+            assert 100 < clocks["sm_mhz"]["min"] <= clocks["sm_mhz"]["median"] \
+                <= clocks["sm_mhz"]["max"] < 5000
+            import optuna
+
+            study = optuna.load_study(study_name=r.study_name,
+                                      storage=f"sqlite:///{tmp_path / 't.db'}")
+            assert study.user_attrs["retime_clocks"] == clocks
