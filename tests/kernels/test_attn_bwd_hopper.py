@@ -132,6 +132,21 @@ def _bit_identical(seed: int) -> list[str]:
             pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
         if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
             failures.append(f"{p}: hopper_dq_groups=1 changes the deterministic gradients")
+    # The same at D=64, where one consumer (64 keys) stages its 64 columns as one chunk
+    # and two consumers with 128-row query tiles stage 32 each (the shipped H200 shape).
+    p = Problem(1, 4, 2, 700, 901, 64, "bf16", True, deterministic=True)
+    q, k, v, do = make_qkv(p, "cuda", gen=torch.Generator().manual_seed(seed + 1))
+    base = default_bwd(p, BWD_HOPPER)
+    for tiles in ({"hopper_block_m": 64, "hopper_block_n": 64},
+                  {"hopper_block_m": 128, "hopper_block_n": 128}):
+        pair = []
+        for groups in (0, 1):
+            c = dataclasses.replace(base, **tiles, hopper_dq_groups=groups)
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = flash_attention(qg, kg, vg, causal=True, config=c, deterministic=True)
+            pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
+        if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
+            failures.append(f"{p} {tiles}: hopper_dq_groups=1 changes the gradients")
     return failures
 
 
