@@ -282,19 +282,20 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         if r.key == key and r.device.fingerprint != here:
             add(dict(r.config), f"device:{r.device.name}")
     for r in nearest_results(table, key, n_nearest):
+        params = dict(r.config)
         if r.key.deterministic and not key.deterministic:
             # As the dispatcher serves it (in the order it was timed in), then in the free
-            # order; a config this version cannot read is left to the projection below.
+            # order, whose staging is never in column groups; a config this version cannot
+            # read is left to the projection below.
             try:
-                cfg = config_from_dict(direction, dict(r.config))
+                cfg = config_from_dict(direction, params)
             except ValueError:
                 pass
             else:
                 add(config_to_dict(for_nondeterministic_call(cfg)), "nearest")
-        free = dict(r.config)
-        if r.key.deterministic and not key.deterministic and free.get("hopper_dq_groups"):
-            free["hopper_dq_groups"] = 0  # column groups stage the fixed order only
-        add(free, "nearest")
+            if params.get("hopper_dq_groups"):
+                params["hopper_dq_groups"] = 0
+        add(params, "nearest")
     # Where the device's architecture has a prior (:mod:`.priors`): the points that long
     # searches there found several moves away from the default.
     for point in prior_points(direction, problem, device.capability):
