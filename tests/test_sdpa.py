@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import flashtune
 from flashtune import sdpa
-from flashtune.kernels.reference import within_rule
+from flashtune.kernels.reference import attention_ref, within_rule
 
 from .dispatch.test_dispatch import fresh_db
 
@@ -45,6 +45,27 @@ def _errors(fn, q, k, v, do, ref=None, **kw) -> dict[str, float]:  # type: ignor
     return errs
 
 
+def _bf16_math(q, k, v, *, is_causal=False, scale=None, enable_gqa=False):  # type: ignore[no-untyped-def]
+    """Attention computed in the inputs' own dtype, SDPA's semantics (causal is top-left):
+    the baseline of the tuner's gate and of the kernel tests."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    assert not is_causal or sq >= sk, "top-left causal with Sq < Sk is no window of keys"
+    return attention_ref(q, k, v, softmax_scale=scale, upcast=False,
+                         window_size=(-1, sq - sk) if is_causal else (-1, -1))[0]
+
+
+def _torch_errors(q, k, v, do, ref=None, **kw) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """PyTorch's own low-precision error for the 2x rule, per tensor: the larger of its SDPA
+    on this device and of plain bf16 attention. On the CPU torch's SDPA keeps the score
+    gradient in fp32, where a flash kernel (torch's own on the GPU too) rounds it to bf16
+    before the dK and dQ products; against that baseline alone the rule is stricter than
+    the gate's, and a draw (seed 2085058006) put dK one bf16 ulp over it."""
+    ref = ref if ref is not None else _fp32_ref(q, k, v, do, **kw)
+    sdpa_errs = _errors(F.scaled_dot_product_attention, q, k, v, do, ref, **kw)
+    math_errs = _errors(_bf16_math, q, k, v, do, ref, **kw)
+    return {n: max(e, math_errs[n]) for n, e in sdpa_errs.items()}
+
+
 @pytest.mark.parametrize("shape, kw", [
     ((2, 4, 4, 33, 33, 32), {"is_causal": True}),
     ((1, 4, 2, 20, 41, 64), {"enable_gqa": True, "scale": 0.3}),
@@ -55,7 +76,7 @@ def test_matches_torch_sdpa_under_the_2x_rule(shape, kw, device: str, seed: int)
     served = sdpa.calls["sdpa"]
     errs = _errors(flashtune.scaled_dot_product_attention, q, k, v, do, **kw)
     assert sdpa.calls["sdpa"] == served + 1, "flashtune did not serve the call"
-    terrs = _errors(F.scaled_dot_product_attention, q, k, v, do, **kw)
+    terrs = _torch_errors(q, k, v, do, **kw)
     ok, _, detail = within_rule(errs, terrs)
     assert ok, detail
 
@@ -87,7 +108,7 @@ def test_activate_flash_attention_impl_routes_torch_sdpa_to_flashtune(device: st
     assert "flashtune" in attention.list_flash_attention_impls()
     q, k, v, do = _qkv(device, seed, 1, 2, 2, 24, 24, 32)
     ref = _fp32_ref(q, k, v, do, is_causal=True)
-    ref_errs = _errors(F.scaled_dot_product_attention, q, k, v, do, ref, is_causal=True)
+    ref_errs = _torch_errors(q, k, v, do, ref, is_causal=True)
     before = dict(sdpa.calls)
     attention.activate_flash_attention_impl("flashtune")
     try:
