@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -327,6 +329,33 @@ def error_text(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:limit]}"
 
 
+KINDS = ("fwd", "fwd_bwd", "infer")
+
+
+def _launch(kind: str, attn: AttnFn, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            do: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument launch of ``attn`` for one of the protocol's timing kinds, on inputs
+    that require grad: "fwd" (the training forward), "fwd_bwd" (forward and backward, the
+    gradients stored, never added to the last call's) or "infer" (no grad)."""
+    if kind == "fwd":
+        def run() -> None:
+            attn(q, k, v)
+    elif kind == "fwd_bwd":
+        def run() -> None:
+            for t in (q, k, v):  # store the gradients, never add them (as time_fn's reset)
+                t.grad = None
+            torch.autograd.backward(attn(q, k, v), do)
+    elif kind == "infer":
+        qi, ki, vi = (t.detach() for t in (q, k, v))
+
+        def run() -> None:
+            with torch.no_grad():
+                attn(qi, ki, vi)
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return run
+
+
 def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
                               device: torch.device | str, *, warmup_ms: float = 25,
                               rep_ms: float = 100, rounds: int = 1,
@@ -350,27 +379,7 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     and loads from the caches: where a cold bench's time goes)."""
     q, k, v = make_inputs(p, device, requires_grad=True)
     do = torch.randn_like(q)
-    qi, ki, vi = (t.detach() for t in (q, k, v))
-
-    def fwd(attn: AttnFn) -> Callable[[], None]:
-        def run() -> None:
-            attn(q, k, v)
-        return run
-
-    def fwd_bwd(attn: AttnFn) -> Callable[[], None]:
-        def run() -> None:
-            for t in (q, k, v):  # store the gradients, never add them (as time_fn's reset)
-                t.grad = None
-            torch.autograd.backward(attn(q, k, v), do)
-        return run
-
-    def infer(attn: AttnFn) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                attn(qi, ki, vi)
-        return run
-
-    kinds = {"fwd": fwd, "fwd_bwd": fwd_bwd, "infer": infer}
+    kinds = {kind: functools.partial(_launch, kind, q=q, k=k, v=v, do=do) for kind in KINDS}
     ok: dict[str, AttnFn] = {}
     for name, attn in attns.items():
         start = time.perf_counter()
@@ -467,6 +476,36 @@ def anchors(p: Problem, names: Sequence[str] = ANCHOR_NAMES) -> dict[str, AttnFn
         "flex": lambda: _flex(p),
     }
     return {n: makers[n]() for n in ANCHOR_NAMES if n in names}
+
+
+SDPA_ANCHORS = ("cudnn", "fa2", "efficient")
+
+
+def anchor_launches(p: Problem, kind: str, names: Sequence[str] = SDPA_ANCHORS,
+                    errors: dict[str, str] | None = None) -> dict[str, Callable[[], None]]:
+    """Zero-argument launches of the anchors of ``names`` that run ``p``, of one timing
+    kind (see :func:`_launch`), on one set of inputs of their own: company for a loop of
+    flashtune's launches (the tuner's anchored timing). Each is called once here; one
+    whose first call fails is left out, with its error in ``errors``. CUDA only."""
+    fns = anchors(p, names)
+    if not fns:
+        return {}
+    q, k, v = make_inputs(p, "cuda", requires_grad=True)
+    do = torch.randn_like(q)
+    out: dict[str, Callable[[], None]] = {}
+    for name, attn in fns.items():
+        run = _launch(kind, attn, q=q, k=k, v=v, do=do)
+        try:
+            with warnings.catch_warnings():  # SDPA's long why-not; the error says it
+                warnings.simplefilter("ignore", UserWarning)
+                run()
+            torch.cuda.synchronize()
+        except Exception as e:  # an anchor that cannot run this shape keeps no place
+            if errors is not None:
+                errors[name] = error_text(e)
+            continue
+        out[name] = run
+    return out
 
 
 def warm_flex(problem: dict[str, Any]) -> tuple[float, str]:

@@ -11,7 +11,11 @@ import torch
 from flashtune.autotune.measure import retime
 from flashtune.problem import Problem
 from flashtune.timing import (
+    SDPA_ANCHORS,
     Timing,
+    _launch,
+    anchor_launches,
+    make_inputs,
     three_timings,
     three_timings_interleaved,
     time_fn,
@@ -128,6 +132,50 @@ def test_retime_interleaves_launches_under_the_house_protocol() -> None:
     b = _Bench()
     retime(b, "fwd", ["a", "b"], rounds=3, rel_tol=0.01)  # type: ignore[arg-type]
     assert b.log == [("time", c) for c in "ab" "ba" "ab"]
+
+
+def test_retime_takes_company_in_its_loop_and_returns_its_times_last() -> None:
+    b = _Bench()
+    ts = retime(b, "fwd", ["a", "b"], rounds=2, cpu_reps=2,  # type: ignore[arg-type]
+                company=[lambda: b.log.append(("launch", "z"))])
+    assert len(ts) == 3
+    assert b.log == [("launch", c) for c in "abz" "abz" "zba"]
+    with pytest.raises(ValueError, match="interleaved"):  # the adaptive timing takes none
+        retime(b, "fwd", ["a"], rounds=1, rel_tol=0.01,  # type: ignore[arg-type]
+               company=[lambda: None])
+
+
+def test_a_launch_of_each_kind_runs_what_the_kind_names() -> None:
+    p = Problem(1, 2, 2, 8, 8, 16, "bf16", False)
+    q, k, v = make_inputs(p, "cpu", requires_grad=True)
+    do = torch.randn_like(q)
+    seen: list[bool] = []
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_grad_enabled() and q.requires_grad)
+        return q * k.mean() + v
+
+    q.grad = torch.ones_like(q)  # a stale gradient: the backward kind stores a fresh one
+    _launch("fwd_bwd", attn, q=q, k=k, v=v, do=do)()
+    assert v.grad is not None and torch.equal(v.grad, do)
+    assert q.grad is not None and not torch.equal(q.grad, torch.ones_like(q))
+    _launch("fwd", attn, q=q, k=k, v=v, do=do)()
+    _launch("infer", attn, q=q, k=k, v=v, do=do)()
+    assert seen == [True, True, False]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        _launch("bwd", attn, q=q, k=k, v=v, do=do)
+
+
+@pytest.mark.gpu
+def test_anchor_launches_run_the_sdpa_anchors_and_leave_out_what_cannot_run() -> None:
+    p = Problem(2, 4, 4, 512, 512, 64, "bf16", True)
+    errors: dict[str, str] = {}
+    got = anchor_launches(p, "fwd_bwd", errors=errors)
+    assert set(got) | set(errors) == set(SDPA_ANCHORS) and "cudnn" in got, errors
+    ts = time_interleaved(list(got.values()), rep_ms=20)
+    assert all(t.median_ms > 0 for t in ts)
+    # SDPA's semantics only: a window has no anchor
+    assert anchor_launches(Problem(2, 4, 4, 512, 512, 64, "bf16", False, (64, 0)), "fwd") == {}
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ crash here (illegal memory access, a segfault, a hang) takes down only this
 process; the parent records the trial as FAIL and starts a new worker.
 
 Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}``,
-``{"op": "retime", ...}``, ``{"op": "prepare", ...}`` (the problem's inputs, gate case
+``{"op": "retime", ...}`` (with ``"company"``: anchor names whose launches join the
+loop), ``{"op": "prepare", ...}`` (the problem's inputs, gate case
 and reference, ahead of its first candidate) or ``{"op": "stop"}``. The worker first sends
 ``{"op": "ready", "pid", "device"}``, then one reply per request.
 """
@@ -72,6 +73,7 @@ def _serve(conn: Connection) -> None:
     )
     from flashtune.kernels.config import config_from_dict
     from flashtune.problem import Problem
+    from flashtune.timing import anchor_launches
 
     interp = interpreting()
     device = "cpu" if interp or not torch.cuda.is_available() else "cuda"
@@ -131,19 +133,27 @@ def _serve(conn: Connection) -> None:
             cfgs = [config_from_dict(direction, c) for c in msg["configs"]]
             t0 = time.perf_counter()
             try:
+                bench = bench_for(problem)
+                company_errors: dict[str, str] = {}
+                company = (anchor_launches(problem, "fwd" if direction == "fwd" else "fwd_bwd",
+                                           msg["company"], company_errors)
+                           if msg.get("company") and device == "cuda" else {})
+                kw = dict(rounds=msg["rounds"], company=list(company.values()), **timing)
                 if msg.get("clocks") and device == "cuda":
                     if sampler is None:
                         sampler = _clock_sampler(torch)
                     with sampler.window() as w:
-                        ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"],
-                                    **timing)
+                        ts = retime(bench, direction, cfgs, **kw)
                     clocks = w.summary() if sampler.available else None
                 else:
-                    ts = retime(bench_for(problem), direction, cfgs, rounds=msg["rounds"],
-                                **timing)
+                    ts = retime(bench, direction, cfgs, **kw)
                     clocks = None
-                conn.send({"status": "ok", "timings": [t.as_dict() for t in ts],
+                conn.send({"status": "ok", "timings": [t.as_dict() for t in ts[:len(cfgs)]],
+                           "company": {n: t.as_dict()
+                                       for n, t in zip(company, ts[len(cfgs):], strict=True)},
+                           "company_errors": company_errors,
                            "seconds": time.perf_counter() - t0, "clocks": clocks})
+                del company  # the anchors' inputs and graphs
             except Exception as e:
                 conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
                 return

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -329,18 +329,23 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
 
 
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,
-           rounds: int = 5, **timing: Any) -> list[Timing]:
+           rounds: int = 5, company: Sequence[Callable[[], Any]] = (),
+           **timing: Any) -> list[Timing]:
     """Time the configs against one another. With the house protocol (no ``rel_tol``),
     their launches are interleaved in one loop (:func:`flashtune.timing.time_interleaved`,
     ``rounds`` x ``rep_ms`` of repetitions each), so that the GPU's clocks, which drift
-    and dip under a sustained load, meet every candidate alike. With the search's
-    adaptive timing (a new incumbent's confirmation), each is timed in turn, ``rounds``
-    times in alternating order, and keeps the median. ``timing``: keywords of
-    :meth:`Bench.time_with_parts`."""
+    and dip under a sustained load, meet every candidate alike; ``company``: other
+    launches (the anchors') taken in the same loop, after the configs, their timings
+    returned after the configs'. With the search's adaptive timing (a new incumbent's
+    confirmation), each is timed in turn, ``rounds`` times in alternating order, and
+    keeps the median. ``timing``: keywords of :meth:`Bench.time_with_parts`."""
     if timing.get("rel_tol") is None:
         kw = {k: timing[k] for k in ("warmup_ms", "rep_ms", "cpu_reps") if k in timing}
-        return time_interleaved([bench.launch(direction, c) for c in configs],
-                                 rounds=rounds, **kw)
+        return time_interleaved([*(bench.launch(direction, c) for c in configs), *company],
+                                rounds=rounds, **kw)
+    if company:
+        raise ValueError("company is timed only in the house protocol's interleaved loop "
+                         "(rel_tol=None)")
     per: list[list[Timing]] = [[] for _ in configs]
     for r in range(max(rounds, 1)):
         order = list(enumerate(configs))

@@ -80,6 +80,9 @@ class Settings:
     # candidate that failed or was pruned does not count, up to MIN_TRIALS_TRIES times
     # this many measured in all.
     min_trials: int = 1
+    # The winner's figure taken beside the default and the SDPA anchors (the tuner's
+    # anchored timing).
+    anchored: bool = False
 
     @property
     def trial_timing(self) -> dict[str, Any]:

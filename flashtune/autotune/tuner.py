@@ -43,8 +43,14 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    family's best if within 10%, are re-timed against one
    another, their launches interleaved (:func:`flashtune.timing.time_interleaved`: the
    GPU's clocks drift under load, and timed one after another the same config read up to
-   7% apart), with more repetitions; the fastest is the result and is written to the
-   database.
+   7% apart), with more repetitions; the fastest is the result.
+6. On a GPU its figure, the one written to the database, is then taken as the bench takes
+   a tuned row: in one interleaved loop with the heuristic default and, where they run
+   the problem, SDPA's cuDNN, FA2 and efficient backends (the anchored timing,
+   :data:`ANCHORED_ROUNDS`). The company sets the clocks: the finalists alone are dense
+   tensor-core work that holds the GPU at its power limit, and on the H200 the stored
+   figures of long forwards read 3-10% slower than the bench's rows of the same configs
+   (BENCHMARKS.md, issue 17, session 36). The anchors' own times are kept with the result.
 
 The study lives in the tuning database (:mod:`.study`), each candidate written once with
 its outcome, so a second ``tune()`` of the same problem resumes it: stored trials are
@@ -90,6 +96,9 @@ from flashtune.problem import Problem, ProblemKey
 # The search's trials on a GPU: warm up briefly (the first launch and the gate have run),
 # then repeat until the median's 95% interval is within 1% (flashtune.timing.time_parts).
 SEARCH_TIMING: dict[str, Any] = {"warmup_ms": 10, "rel_tol": 0.01, "min_reps": 8}
+
+# The anchored timing's repetitions: rounds x rep_ms for each launch of its loop.
+ANCHORED_ROUNDS = 3
 
 __all__ = ["TuneResult", "TuneSession", "tune", "study_name", "optuna_storage", "problem_slug",
            "SAMPLERS"]
@@ -143,6 +152,11 @@ class TuneResult:
     # The SM clock, power and limit reasons while the finalists were re-timed (GPU with
     # NVML only; see flashtune.gpu_clocks.summarize), else None.
     retime_clocks: dict[str, Any] | None = None
+    # The anchored timing that gave median_ms (step 6 of the module's docstring): "ms"
+    # (median ms of "winner", "default" and each anchor that ran; an anchor's is its
+    # training forward, or its forward and backward for direction "bwd"), "clocks" and
+    # "errors" (anchors that could not run the problem); None where it did not run.
+    anchored: dict[str, Any] | None = None
 
     @property
     def speedup_over_default(self) -> float:
@@ -451,6 +465,7 @@ class _Verdict:
     default_ms: float | None = None
     retimed: list[dict[str, Any]] = field(default_factory=list)
     clocks: dict[str, Any] | None = None
+    anchored: dict[str, Any] | None = None
 
 
 def _retime(search: Search, cands: list[Any], verdict: _Verdict,
@@ -482,6 +497,46 @@ def _retime(search: Search, cands: list[Any], verdict: _Verdict,
         verdict.default_ms = dflt[0]["median_ms"] if dflt else verdict.default_ms
 
 
+def anchored_request(problem: Problem, direction: str, configs: list[dict[str, Any]],
+                     timing: dict[str, Any], interpret: bool) -> tuple[dict[str, Any], int]:
+    """The measurement worker's request for the anchored timing (step 6 of the module's
+    docstring) of ``configs`` (the winner first, then the default where it differs), and
+    the number of launches in its loop (for the request's timeout)."""
+    from flashtune.timing import SDPA_ANCHORS
+
+    company = () if interpret else SDPA_ANCHORS
+    return ({"op": "retime", "problem": problem.as_dict(), "direction": direction,
+             "configs": configs, "rounds": ANCHORED_ROUNDS, "timing": timing, "clocks": True,
+             "company": company}, len(configs) + len(company))
+
+
+def _anchored(search: Search, verdict: _Verdict, default_params: dict[str, Any]) -> None:
+    """Take the winner's figure beside the default and the SDPA anchors (step 6 of the
+    module's docstring) and make it the verdict's; on an error keep the re-timing's."""
+    winner = search.s.space.complete(verdict.winner.params)
+    configs = [winner] + ([default_params] if verdict.default_ms is not None
+                          and default_params != winner else [])
+    msg, launches = anchored_request(search.problem, search.direction, configs,
+                                     search.s.timing, search.session.interpret)
+    reply = search.session.worker.request(
+        msg, timeout=search.s.trial_timeout * launches * ANCHORED_ROUNDS)
+    if reply.get("status") != "ok":
+        search.study.set_user_attr("anchored_error", str(reply.get("detail", ""))[:500])
+        return
+    ts = reply["timings"]
+    verdict.median_ms, verdict.p20_ms, verdict.p80_ms = \
+        ts[0]["median_ms"], ts[0]["p20_ms"], ts[0]["p80_ms"]
+    ms = {"winner": ts[0]["median_ms"]}
+    if len(ts) > 1:
+        ms["default"] = verdict.default_ms = ts[1]["median_ms"]
+    elif configs[0] == default_params and verdict.default_ms is not None:
+        verdict.default_ms = ts[0]["median_ms"]
+    ms.update({n: t["median_ms"] for n, t in reply.get("company", {}).items()})
+    verdict.anchored = {"ms": ms, "clocks": reply.get("clocks"),
+                        "errors": reply.get("company_errors", {})}
+    search.study.set_user_attr("anchored", verdict.anchored)
+
+
 def _finish(search: Search, target: _Target) -> TuneResult:
     problem, direction, study = search.problem, search.direction, search.study
     measured, ok, n_fail, n_pruned = _outcomes(search)
@@ -493,6 +548,8 @@ def _finish(search: Search, target: _Target) -> TuneResult:
                                        None))
     if len(cands) > 1 and search.s.retime_rounds > 0:
         _retime(search, cands, verdict, default_params)
+    if search.s.anchored and search.s.retime_rounds > 0:
+        _anchored(search, verdict, default_params)
     winner, med = verdict.winner, verdict.median_ms
     p20 = verdict.p20_ms if verdict.p20_ms is not None and verdict.p80_ms is not None \
         else float(winner.user_attrs.get("p20_ms", med))
@@ -523,7 +580,7 @@ def _finish(search: Search, target: _Target) -> TuneResult:
         storage_url=target.url, device=target.device.name,
         interpreter=target.session.interpret, retimed=verdict.retimed,
         winner_source=str(winner.user_attrs.get("seed_source", "sampler")),
-        retime_clocks=verdict.clocks)
+        retime_clocks=verdict.clocks, anchored=verdict.anchored)
     search.emit(event="done", result=res)
     return res
 
@@ -558,7 +615,8 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
          retime_rounds: int | None = None, compile_workers: int | None = None,
          timing: dict[str, Any] | None = None, progress: ProgressFn | None = None,
          store: bool = True, warm_start: bool = True, shipped_seeds: bool = True,
-         session: TuneSession | None = None) -> TuneResult | dict[str, TuneResult]:
+         session: TuneSession | None = None, anchored: bool | None = None,
+         ) -> TuneResult | dict[str, TuneResult]:
     """Tune ``problem`` and write the winner(s) to the tuning database.
 
     Signature::
@@ -567,7 +625,7 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
              interpret=None, patience=None, trial_timeout=None, seed=0, space=None,
              sampler="tpe", top_k=3, retime_rounds=None, compile_workers=None,
              timing=None, progress=None, store=True, warm_start=True,
-             shipped_seeds=True, session=None)
+             shipped_seeds=True, session=None, anchored=None)
             -> TuneResult                  (direction "fwd" or "bwd")
             -> dict[str, TuneResult]       (direction "both": {"fwd": ..., "bwd": ...})
 
@@ -587,7 +645,10 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
       "both", a space is only allowed when it is a dict ``{"fwd": ..., "bwd": ...}``).
     - ``sampler``: "tpe" (seeded, multivariate, constant_liar when candidates are in
       flight in parallel), "random" or "grid" (exhaustive).
-    - ``top_k``/``retime_rounds``: the final interleaved re-timing.
+    - ``top_k``/``retime_rounds``: the final interleaved re-timing (``retime_rounds=0``:
+      none, and no anchored timing either).
+    - ``anchored``: take the winner's figure beside the default and the SDPA anchors
+      (step 6 of the module's docstring; default: on a GPU, not in the interpreter).
     - ``timing``: kwargs for the timing protocol (``warmup_ms``, ``rep_ms``, ``cpu_reps``).
       On a GPU the search's own trials time only as long as the noise needs
       (:data:`SEARCH_TIMING`: a shorter warmup, then repetitions until the median is
@@ -630,7 +691,8 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
         seed=seed, space=spaces[next(iter(spaces))], sampler=sampler, top_k=top_k,
         retime_rounds=(1 if interp else 5) if retime_rounds is None else retime_rounds,
         timing=house, store=store, warm_start=warm_start, shipped_seeds=shipped_seeds,
-        search_timing=house if interp else {**SEARCH_TIMING, **house})
+        search_timing=house if interp else {**SEARCH_TIMING, **house},
+        anchored=not interp if anchored is None else anchored)
     try:
         out = {d: _tune_one(problem, d, target, replace(base, space=spaces[d]), progress)
                for d in spaces}

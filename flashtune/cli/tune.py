@@ -136,6 +136,13 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
             mhz = r.retime_clocks["sm_mhz"]
             click.echo(f"  clock    {mhz['median']:g} MHz median ({mhz['min']:g}-{mhz['max']:g}) "
                        f"while the finalists were re-timed")
+        if r.anchored:
+            beside = ", ".join(f"{n} {ms:.4g} ms" for n, ms in r.anchored["ms"].items()
+                               if n != "winner")
+            clk = r.anchored.get("clocks")
+            at = f" at {clk['sm_mhz']['median']:g} MHz" if clk else ""
+            click.echo(f"  beside   {beside or 'nothing else'}{at} (the time above was "
+                       "taken in that loop)")
         click.echo(f"  trials   {r.trials} measured ({r.complete} ok, {r.failed} failed, "
                    f"{r.pruned} pruned), {r.infeasible} infeasible; stopped: {r.stop_reason}; "
                    f"{r.search_seconds:.1f} s")

@@ -24,6 +24,7 @@ from flashtune.kernels.config import (
     BWD_ONE_LAUNCH,
     config_from_dict,
     config_to_dict,
+    default_config,
 )
 from flashtune.kernels.reference import compare
 from flashtune.problem import Problem
@@ -440,3 +441,24 @@ def test_a_free_order_search_seeds_its_deterministic_twin_in_its_fixed_order(
         assert nearest[:2] == [replace(grouped, hopper_dq_fixed=1), twin]
         kconfig.check_bwd(nearest[0], free)
         kconfig.check_bwd(nearest[1], free)
+
+
+def test_the_anchored_timing_gives_the_stored_figure(tmp_path) -> None:
+    """With ``anchored`` (on by default on a GPU only) the winner is timed once more in one
+    loop with the default, and that loop's figure is the result's and the database's (on
+    the CPU the SDPA anchors do not join it). Without it, the re-timing's figure stands."""
+    db = tmp_path / "t.db"
+    r = tune(TINY, "fwd", trials=3, storage=db, anchored=True, seed=1)
+    assert r.anchored is not None and r.anchored["errors"] == {}
+    ms = r.anchored["ms"]
+    assert ms["winner"] == r.median_ms and set(ms) <= {"winner", "default"}
+    default = config_to_dict(default_config("fwd", TINY))
+    if config_to_dict(r.config) != default:
+        assert ms["default"] == r.default_ms
+    with open_storage(db) as st:
+        stored = st.get_result(device_info(), software_info(), TINY.key("fwd"))
+        assert stored is not None and stored.median_ms == pytest.approx(r.median_ms)
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    assert study.user_attrs["anchored"] == r.anchored
+    plain = tune(TINY, "bwd", trials=2, storage=db)  # the interpreter's default: none
+    assert plain.anchored is None

@@ -6,6 +6,7 @@ import pytest
 
 from flashtune.autotune import tune
 from flashtune.problem import Problem
+from flashtune.timing import SDPA_ANCHORS
 
 pytestmark = pytest.mark.gpu
 
@@ -19,6 +20,13 @@ def test_tune_on_gpu_with_compile_pool(tmp_path) -> None:
         assert r.stored and not r.interpreter and r.complete >= 1
         assert r.median_ms > 0 and r.tflops > 0
         assert r.pool_compile_seconds > 0
+        # The stored figure was taken beside the default and the SDPA anchors (each either
+        # timed or refused with its reason), at a recorded clock.
+        a = r.anchored
+        assert a is not None and a["ms"]["winner"] == r.median_ms, a
+        ran = set(a["ms"]) - {"winner", "default"}
+        assert ran and ran | set(a["errors"]) == set(SDPA_ANCHORS), a
+        assert all(v > 0 for v in a["ms"].values()) and a["clocks"]["samples"] > 0
         # The final re-timing says what SM clock it ran at (NVML comes with the driver),
         # as the bench's rows do, and the study keeps it.
         if len(r.retimed) > 1:
