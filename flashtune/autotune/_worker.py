@@ -153,7 +153,7 @@ def _serve(conn: Connection) -> None:
                                        for n, t in zip(company, ts[len(cfgs):], strict=True)},
                            "company_errors": company_errors,
                            "seconds": time.perf_counter() - t0, "clocks": clocks})
-                del company  # the anchors' inputs and graphs
+                del company, kw  # the anchors' launches hold their inputs
             except Exception as e:
                 conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
                 return

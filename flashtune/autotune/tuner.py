@@ -97,8 +97,9 @@ from flashtune.problem import Problem, ProblemKey
 # then repeat until the median's 95% interval is within 1% (flashtune.timing.time_parts).
 SEARCH_TIMING: dict[str, Any] = {"warmup_ms": 10, "rel_tol": 0.01, "min_reps": 8}
 
-# The anchored timing's repetitions: rounds x rep_ms for each launch of its loop.
-ANCHORED_ROUNDS = 3
+# The anchored timing's repetitions: rounds x rep_ms for each launch of its loop (the
+# bench takes one round; two keep the sweep's cost near 1 s a task: 5 launches x 200 ms).
+ANCHORED_ROUNDS = 2
 
 __all__ = ["TuneResult", "TuneSession", "tune", "study_name", "optuna_storage", "problem_slug",
            "SAMPLERS"]
