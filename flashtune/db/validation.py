@@ -185,6 +185,14 @@ def _example(d: Any, key: ProblemKey) -> Problem | None:
         _num(d["softcap"], "example.softcap", 1e9)
     if "causal" in d:
         _bool(d["causal"], "example.causal")
+    if "deterministic" in d:
+        _bool(d["deterministic"], "example.deterministic")
+    for k in ("total_q", "total_k"):
+        if k in d:
+            _int(d[k], f"example.{k}", 0, 1 << 40)
+    if "dtype" in d and (not isinstance(d["dtype"], str) or d["dtype"] not in DTYPES):
+        raise Bad("example.dtype", f"{show(d['dtype'])} is not allowed; allowed: "
+                  f"{', '.join(DTYPES)}")
     w = d.get("window", [-1, -1])
     if not isinstance(w, list) or len(w) != 2:
         raise Bad("example.window", f"expected [left, right], got {show(w)}")
@@ -192,8 +200,8 @@ def _example(d: Any, key: ProblemKey) -> Problem | None:
         _int(side, "example.window", -1, 1 << 40)
     try:
         p = Problem.from_dict(d)
-    except (ValueError, TypeError) as e:
-        raise Bad("example", str(e)) from None
+    except (ValueError, TypeError) as e:  # one short line, whatever the value was
+        raise Bad("example", " ".join(str(e).split())[:200]) from None
     if p.key(key.direction) != key:
         raise Bad("example", f"its key ({p.key(key.direction).short()}) differs from the "
                    f"entry's problem ({key.short()})")

@@ -138,6 +138,14 @@ def test_import_with_a_bad_entry_writes_nothing(tmp_path: Any) -> None:
      r"^entry 2: duplicates entry 0 \(same device, software and problem\)$"),
     (lambda d: d["entries"][0]["example"].update(seqlen_q=5000),
      r"^entry 0: field example: its key .* differs from the entry's problem"),
+    # A value of any size is named in a few words (a fuzzed import once printed a
+    # thousand-deep object in full).
+    (lambda d: d["entries"][0]["example"].update(dtype={"a": [{"a": 1}] * 500}),
+     r"^entry 0: field example.dtype: an object is not allowed; allowed: fp16, bf16$"),
+    (lambda d: d["entries"][0]["example"].update(dtype="fp8"),
+     r"^entry 0: field example.dtype: \"fp8\" is not allowed; allowed: fp16, bf16$"),
+    (lambda d: d["entries"][0]["example"].update(deterministic="yes"),
+     r"^entry 0: field example.deterministic: expected true/false, got \"yes\"$"),
 ])
 def test_validation_names_entry_and_field(mutate: Any, message: str) -> None:
     rng = random.Random(27)
