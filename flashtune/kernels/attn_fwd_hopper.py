@@ -19,8 +19,10 @@ register file is 152-160 per thread):
 Scores stay in the log2 domain; the softmax scale is folded into the exp2 argument
 (``s * scale - m``: one FMA). Masks (causal bottom-right, window, ragged ends) are applied
 only on the edge and diagonal tiles. TMA reads through rank-4 (B, H, S, D) descriptors, so
-rows past a sequence's end come back as zeros and any 16-byte-aligned strides work. O and
-the natural-log LSE are written with plain stores; rows that see no key get O = 0 and
+rows past a sequence's end come back as zeros and any 16-byte-aligned strides work. A
+dense batch's O goes out through its consumer's Q buffer with one TMA store (with
+``DEFER_O``, waited for behind the next tile's first product rather than at once); the
+natural-log LSE is written with plain stores. Rows that see no key get O = 0 and
 LSE = +inf, as in the portable kernel.
 
 Packed (varlen) batches use the same program: q (total_q, Hq, D) is described as the
@@ -170,6 +172,18 @@ def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, s
 
 
 @gluon.jit
+def _release_stored_q(q_empty, t_local, cid: gl.constexpr, CONSUMERS: gl.constexpr,
+                      Q_BUFS: gl.constexpr):
+    """With DEFER_O, at tile ``t_local``: wait for the previous tile's O store (TMA, out of
+    that tile's Q buffer) to have read its buffer, then hand the buffer back to the
+    producer. The store is issued at the end of its tile and waited for here, behind this
+    tile's first product, instead of at once."""
+    if t_local > 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(((t_local - 1) % Q_BUFS) * CONSUMERS + cid), count=1)
+
+
+@gluon.jit
 def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
               desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
@@ -179,7 +193,7 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
               PINGPONG: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+              IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -210,6 +224,9 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
             l_i = gl.zeros([64], gl.float32, layout=row_s)
             acc = gl.zeros([64, D], gl.float32, layout=o_layout)
             q_slot = (t_local % Q_BUFS) * CONSUMERS + cid
+            if DEFER_O:
+                if n_iters == 0:  # no product to hide the last tile's store behind
+                    _release_stored_q(q_empty, t_local, cid, CONSUMERS, Q_BUFS)
             mbarrier.wait(q_full.index(q_slot), (t_local // Q_BUFS) & 1)
             q = q_smem.index(q_slot)
             if n_iters > 0:
@@ -224,6 +241,8 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - cid), count=1)
                     turns += 1
+                if DEFER_O:  # the last tile's O store completes behind this product
+                    _release_stored_q(q_empty, t_local, cid, CONSUMERS, Q_BUFS)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 mbarrier.arrive(k_empty.index(buf), count=1)
                 p, alpha, m_i, l_i = _softmax_step(
@@ -298,9 +317,11 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                 tma.async_copy_shared_to_global(
                     desc_o, [bh // heads_q, bh % heads_q, row0, 0],
                     q._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout))
-                tma.store_wait(0)
-            # Q's buffer may take a later tile's.
-            mbarrier.arrive(q_empty.index(q_slot), count=1)
+                if not DEFER_O:
+                    tma.store_wait(0)
+            if not DEFER_O:
+                # Q's buffer may take a later tile's.
+                mbarrier.arrive(q_empty.index(q_slot), count=1)
             # seq_q >= 0, widened without a sign: a sign-extended kernel argument is a value
             # ptxas keeps live across the whole loop (and, at 240 registers, spills). (A
             # seq_q of 1 arrives as a constant: to_tensor makes it a value either way.)
@@ -310,6 +331,8 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
             else:  # (B, Hq, Sq)
                 lse_ptrs = LSE + bh.to(gl.int64) * lse_rows + rows
             gl.store(lse_ptrs, lse, mask=rows < len_q)
+    if DEFER_O:
+        tma.store_wait(0)  # the last tile's O
 
 
 # The grid size and B*Hq vary with the batch; left unspecialized, a reduced problem (the
@@ -323,10 +346,13 @@ def _attn_fwd_hopper_kernel(
     GQA: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS >= 1 and CONSUMERS <= 3)
     gl.static_assert(not PINGPONG or CONSUMERS == 2)
+    # A deferred O store holds its tile's Q buffer into the next tile: two buffers, and
+    # a dense batch (a packed one stores O with plain stores).
+    gl.static_assert(not DEFER_O or (Q_BUFS == 2 and not IS_VARLEN))
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     if IS_VARLEN:
@@ -380,21 +406,21 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -409,14 +435,14 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -431,7 +457,7 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN)),
+                         IS_VARLEN, DEFER_O)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -541,7 +567,7 @@ class HopperLaunch:
             Q_BUFS=hopper_q_buffers(c, q.shape[-1]), ORDER=c.tile_order,
             PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs, IS_VARLEN=packed is not None,
-            num_warps=4)
+            DEFER_O=bool(c.defer_o), num_warps=4)
         self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 8)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

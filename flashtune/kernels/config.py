@@ -90,7 +90,8 @@ class FwdConfig:
     ``variant`` picks the kernel family and so which knobs exist: the portable kernel
     uses ``num_warps``, ``maxnreg`` and ``use_tma``; the Hopper kernel runs one consumer
     warpgroup per 64 query rows (``block_m`` 64, 128 or 192), a K/V ring ``num_stages`` deep,
-    and uses ``consumer_regs``, ``persistent``, ``tile_order`` and ``pingpong``.
+    and uses ``consumer_regs``, ``persistent``, ``tile_order``, ``pingpong`` and
+    ``defer_o``.
     """
 
     block_m: int = knob(64, FWD_BLOCK_M, "query rows per program (192: Hopper only)")
@@ -111,6 +112,9 @@ class FwdConfig:
                            "chunks of heads whose K/V fit in L2", variants=_H)
     pingpong: int = knob(0, (0, 1), "the two consumer warpgroups take turns on the tensor "
                          "cores", variants=_H)
+    defer_o: int = knob(0, (0, 1), "a tile's O store is waited for behind the next tile's "
+                        "first product (persistent, two Q buffers, dense batches)",
+                        variants=_H)
 
     kind = "fwd"
 
@@ -409,6 +413,17 @@ def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
             f"fwd hopper: a K/V ring of {c.num_stages} buffers (allowed: 2 to 4)")
     if c.pingpong and consumers != 2:
         raise InfeasibleConfigError("fwd hopper: pingpong needs two consumers (block_m=128)")
+    if c.defer_o:
+        # The deferred store holds its tile's Q buffer until the next tile's first product.
+        if p.packed:
+            raise InfeasibleConfigError(
+                "fwd hopper: defer_o=1 on a packed batch, whose O goes out with plain "
+                "stores (allowed: defer_o=0)")
+        if hopper_q_buffers(c, p.head_dim) != 2:
+            raise InfeasibleConfigError(
+                "fwd hopper: defer_o=1 needs a persistent grid with two Q buffers "
+                f"(persistent={c.persistent}, and two must fit in shared memory beside "
+                f"the K/V ring of {c.num_stages})")
     producer = hopper_producer_regs(consumers, c.consumer_regs)
     if producer < 24:
         raise InfeasibleConfigError(
