@@ -172,6 +172,54 @@ def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, cap_log2, need_mask, rows, s
 
 
 @gluon.jit
+def _steady_state(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, turns, p, acc,
+                  m_i, l_i, kv_count, n_iters, lo, full_lo, full_hi, rows, len_k, offset, left,
+                  right, qk_scale, cap_scale, cap_log2, cid: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """A tile's key tiles 1 .. n_iters - 1 (tile 0's S and softmax done, ``p`` its P): S(j)
+    in flight while PV(j-1) runs and softmax(j) follows. Returns (P of the last key tile,
+    its PV not issued; acc; m; l; turns)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = v_smem.dtype
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(1, n_iters):
+        start = lo + j * BLOCK_N
+        cnt = kv_count + j
+        buf = cnt % STAGES
+        phase = (cnt // STAGES) & 1
+        pbuf = (cnt - 1) % STAGES
+        pphase = ((cnt - 1) // STAGES) & 1
+        mbarrier.wait(k_full.index(buf), phase)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_full.index(pbuf), pphase)
+        if PINGPONG:
+            mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+        s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(pbuf), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - cid), count=1)
+            turns += 1
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(buf), count=1)
+        p, alpha_j, m_i, l_i = _softmax_step(
+            s, m_i, l_i, qk_scale, cap_scale, cap_log2,
+            (start < full_lo) | (start >= full_hi), rows, start, len_k, offset, left,
+            right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N, col_s)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(pbuf), count=1)
+        acc = acc * gl.convert_layout(alpha_j, row_o)[:, None]
+    return p, acc, m_i, l_i, turns
+
+
+@gluon.jit
 def _release_stored_q(q_empty, t_local, cid: gl.constexpr, CONSUMERS: gl.constexpr,
                       Q_BUFS: gl.constexpr):
     """With DEFER_O, at tile ``t_local``: wait for the previous tile's O store (TMA, out of
@@ -193,7 +241,35 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
               STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
               PINGPONG: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr):
+              IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr, OVERLAP: gl.constexpr):
+    """A consumer warpgroup: tile by tile (``_consumer_serial``), or with each tile's last
+    PV and epilogue beside the next tile's first QK^T (``OVERLAP``, _consumer_overlapped)."""
+    if OVERLAP:
+        _consumer_overlapped(cid, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
+                             v_full, v_empty, turn, desc_o, LSE, n_tiles, n_progs, n_m,
+                             bh_total, chunk, heads_q, seq_q, seq_k, left, right, qk_scale,
+                             cap_scale, cap_log2, CONSUMERS, BLOCK_N, D, STAGES, Q_BUFS, ORDER,
+                             PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    else:
+        _consumer_serial(cid, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                         v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
+                         stride_om, n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q,
+                         seq_k, left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N,
+                         D, STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                         IS_VARLEN, DEFER_O)
+
+
+@gluon.jit
+def _consumer_serial(cid: gl.constexpr, q_smem, k_smem, v_smem,
+                     q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
+                     desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh, stride_om,
+                     n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k, left, right,
+                     qk_scale, cap_scale, cap_log2,
+                     CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
+                     PINGPONG: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -250,33 +326,11 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
                     rows, lo, len_k, offset, left, right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N,
                     col_s)
                 # Steady state: S(j) in flight while PV(j-1) runs and softmax(j) follows.
-                for j in range(1, n_iters):
-                    start = lo + j * BLOCK_N
-                    cnt = kv_count + j
-                    buf = cnt % STAGES
-                    phase = (cnt // STAGES) & 1
-                    pbuf = (cnt - 1) % STAGES
-                    pphase = ((cnt - 1) // STAGES) & 1
-                    mbarrier.wait(k_full.index(buf), phase)
-                    p16 = gl.convert_layout(p.to(dtype), p_layout)
-                    mbarrier.wait(v_full.index(pbuf), pphase)
-                    if PINGPONG:
-                        mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
-                    s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
-                    acc = warpgroup_mma(p16, v_smem.index(pbuf), acc, is_async=True)
-                    if PINGPONG:
-                        mbarrier.arrive(turn.index(1 - cid), count=1)
-                        turns += 1
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-                    mbarrier.arrive(k_empty.index(buf), count=1)
-                    p, alpha_j, m_i, l_i = _softmax_step(
-                        s, m_i, l_i, qk_scale, cap_scale, cap_log2,
-                        (start < full_lo) | (start >= full_hi), rows, start, len_k, offset, left,
-                        right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N, col_s)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(v_empty.index(pbuf), count=1)
-                    acc = acc * gl.convert_layout(alpha_j, row_o)[:, None]
+                p, acc, m_i, l_i, turns = _steady_state(
+                    q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, turns, p, acc,
+                    m_i, l_i, kv_count, n_iters, lo, full_lo, full_hi, rows, len_k, offset, left,
+                    right, qk_scale, cap_scale, cap_log2, cid, STAGES, PINGPONG, MASK_LEFT,
+                    MASK_RIGHT, SOFTCAP, BLOCK_N, D)
                 # Epilogue: PV of the last key tile.
                 cnt = kv_count + n_iters - 1
                 lbuf = cnt % STAGES
@@ -293,12 +347,7 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
             kv_count += n_iters
             t_local += 1
 
-            # Rows that saw no key: O = 0 and LSE = +inf (the backward's P = exp(s - lse) = 0).
-            empty = l_i == 0.0
-            l_safe = gl.where(empty, 1.0, l_i)
-            out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-            lse = gl.where(empty, float("inf"),
-                           (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
+            out, lse = _out_and_lse(acc, m_i, l_i, o_layout)
             b = (bh // heads_q).to(gl.int64)
             h = (bh % heads_q).to(gl.int64)
             if IS_VARLEN:
@@ -335,6 +384,188 @@ def _consumer(cid: gl.constexpr, q_smem, k_smem, v_smem,
         tma.store_wait(0)  # the last tile's O
 
 
+@gluon.jit
+def _out_and_lse(acc, m_i, l_i, o_layout: gl.constexpr):
+    """O = acc / l and the natural-log LSE of a tile's rows. Rows that saw no key get O = 0
+    and LSE = +inf (the backward's P = exp(s - lse) = 0)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # ln 2
+    return out, lse
+
+
+@gluon.jit
+def _finish_tile(acc, m_i, l_i, q_buf, desc_o, LSE, bh, row0, heads_q, seq_q,
+                 o_layout: gl.constexpr, row_s: gl.constexpr):
+    """A dense tile's end: O through its Q buffer with one TMA store (left in flight) and
+    the LSE (see _out_and_lse)."""
+    out, lse = _out_and_lse(acc, m_i, l_i, o_layout)
+    q_buf.store(out.to(q_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(
+        desc_o, [bh // heads_q, bh % heads_q, row0, 0],
+        q_buf._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout))
+    rows = row0 + gl.arange(0, 64, layout=row_s)
+    lse_rows = gl.to_tensor(seq_q).to(gl.uint32).to(gl.int64)  # see _consumer_serial
+    gl.store(LSE + bh.to(gl.int64) * lse_rows + rows, lse, mask=rows < seq_q)
+
+
+@gluon.jit
+def _close_tile(acc, p16, m_i, l_i, last_cnt, slot, bh, row0, q_smem, v_smem, q_empty, v_full,
+                v_empty, turn, turns, desc_o, LSE, heads_q, seq_q, cid: gl.constexpr,
+                STAGES: gl.constexpr, PINGPONG: gl.constexpr, o_layout: gl.constexpr,
+                row_s: gl.constexpr):
+    """The last PV of a tile left open, alone (no next tile's product to pair it with),
+    then its end; its Q buffer goes back to the producer. Returns the turns taken."""
+    lbuf = last_cnt % STAGES
+    mbarrier.wait(v_full.index(lbuf), (last_cnt // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+    acc = warpgroup_mma(p16, v_smem.index(lbuf), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - cid), count=1)
+        turns += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(lbuf), count=1)
+    _finish_tile(acc, m_i, l_i, q_smem.index(slot), desc_o, LSE, bh, row0, heads_q, seq_q,
+                 o_layout, row_s)
+    tma.store_wait(0)
+    mbarrier.arrive(q_empty.index(slot), count=1)
+    return turns
+
+
+@gluon.jit
+def _consumer_overlapped(cid: gl.constexpr, q_smem, k_smem, v_smem,
+                         q_full, q_empty, k_full, k_empty, v_full, v_empty, turn,
+                         desc_o, LSE, n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q,
+                         seq_k, left, right, qk_scale, cap_scale, cap_log2,
+                         CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                         STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr,
+                         PINGPONG: gl.constexpr, MASK_LEFT: gl.constexpr,
+                         MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    """A consumer whose tiles overlap (dense batches, two Q buffers): a tile's last PV is
+    left open, and issued together with the next tile's first QK^T; the tile's end (O
+    through its Q buffer, the LSE) runs while that QK^T computes, and its Q buffer goes
+    back to the producer before the next tile's softmax, so the tile after next loads
+    its Q meanwhile. The serial consumer instead starts each tile's first QK^T only once
+    the last tile's end is done: on short rows that start and end were a large part of a
+    tile (BENCHMARKS.md, issue 12). A tile whose rows see no key closes the open one
+    alone and ends at once (O = 0, LSE = +inf). Both consumers walk the same tiles, so
+    their ping-pong turns stay in step."""
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = v_smem.dtype
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
+    kv_count = 0
+    t_local = 0
+    turns = 0
+    # The open tile: its accumulator, last P, row statistics, last K/V index, Q buffer
+    # and coordinates (has_open 0: none).
+    has_open = 0
+    acc_o = gl.zeros([64, D], gl.float32, layout=o_layout)
+    p16_o = gl.convert_layout(zero_s.to(dtype), p_layout)
+    m_o = gl.full([64], -float("inf"), gl.float32, layout=row_s)
+    l_o = gl.zeros([64], gl.float32, layout=row_s)
+    cnt_o = 0
+    slot_o = 0
+    bh_o = 0
+    row0_o = 0
+    for tile in range(gl.program_id(0), n_tiles, n_progs):
+        bh, m_blk = _tile_coords(tile, n_m, bh_total, chunk, ORDER)
+        q_start = m_blk * BLOCK_M
+        lo, full_lo, full_hi, hi = _kv_range(q_start, seq_k, offset, left, right,
+                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        n_iters = (hi - lo) // BLOCK_N
+        row0 = q_start + cid * 64
+        rows = row0 + gl.arange(0, 64, layout=row_s)
+        q_slot = (t_local % Q_BUFS) * CONSUMERS + cid
+        mbarrier.wait(q_full.index(q_slot), (t_local // Q_BUFS) & 1)
+        q = q_smem.index(q_slot)
+        if n_iters > 0:
+            buf = kv_count % STAGES
+            mbarrier.wait(k_full.index(buf), (kv_count // STAGES) & 1)
+            if has_open:
+                # One turn: the open tile's last PV, then this tile's first QK^T.
+                obuf = cnt_o % STAGES
+                mbarrier.wait(v_full.index(obuf), (cnt_o // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+                acc_o = warpgroup_mma(p16_o, v_smem.index(obuf), acc_o, is_async=True)
+                s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - cid), count=1)
+                    turns += 1
+                # The PV (issued first) completes; the QK^T runs on while the open tile ends.
+                acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o, ))
+                mbarrier.arrive(v_empty.index(obuf), count=1)
+                _finish_tile(acc_o, m_o, l_o, q_smem.index(slot_o), desc_o, LSE, bh_o, row0_o,
+                             heads_q, seq_q, o_layout, row_s)
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(slot_o), count=1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            else:
+                if PINGPONG:
+                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+                s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - cid), count=1)
+                    turns += 1
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(buf), count=1)
+            m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([64], gl.float32, layout=row_s)
+            p, alpha, m_i, l_i = _softmax_step(
+                s, m_i, l_i, qk_scale, cap_scale, cap_log2, (lo < full_lo) | (lo >= full_hi),
+                rows, lo, seq_k, offset, left, right, MASK_LEFT, MASK_RIGHT, SOFTCAP, BLOCK_N,
+                col_s)
+            acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+            p, acc, m_i, l_i, turns = _steady_state(
+                q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, turns, p, acc, m_i,
+                l_i, kv_count, n_iters, lo, full_lo, full_hi, rows, seq_k, offset, left, right,
+                qk_scale, cap_scale, cap_log2, cid, STAGES, PINGPONG, MASK_LEFT, MASK_RIGHT,
+                SOFTCAP, BLOCK_N, D)
+            # This tile stays open: its last PV goes with the next tile's first QK^T.
+            acc_o = acc
+            p16_o = gl.convert_layout(p.to(dtype), p_layout)
+            m_o = m_i
+            l_o = l_i
+            cnt_o = kv_count + n_iters - 1
+            slot_o = q_slot
+            bh_o = bh
+            row0_o = row0
+            has_open = 1
+        else:
+            if has_open:
+                turns = _close_tile(acc_o, p16_o, m_o, l_o, cnt_o, slot_o, bh_o, row0_o, q_smem,
+                                    v_smem, q_empty, v_full, v_empty, turn, turns, desc_o, LSE,
+                                    heads_q, seq_q, cid, STAGES, PINGPONG, o_layout, row_s)
+            # No key to see: O = 0 and LSE = +inf, at once.
+            _finish_tile(gl.zeros([64, D], gl.float32, layout=o_layout),
+                         gl.full([64], -float("inf"), gl.float32, layout=row_s),
+                         gl.zeros([64], gl.float32, layout=row_s), q, desc_o, LSE, bh, row0,
+                         heads_q, seq_q, o_layout, row_s)
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
+            has_open = 0
+        kv_count += n_iters
+        t_local += 1
+    if has_open:
+        turns = _close_tile(acc_o, p16_o, m_o, l_o, cnt_o, slot_o, bh_o, row0_o, q_smem, v_smem,
+                            q_empty, v_full, v_empty, turn, turns, desc_o, LSE, heads_q, seq_q,
+                            cid, STAGES, PINGPONG, o_layout, row_s)
+
+
 # The grid size and B*Hq vary with the batch; left unspecialized, a reduced problem (the
 # tuner's correctness gate) launches the binary that the full one times.
 @gluon.jit(do_not_specialize=["n_progs", "bh_total"])
@@ -347,12 +578,14 @@ def _attn_fwd_hopper_kernel(
     STAGES: gl.constexpr, Q_BUFS: gl.constexpr, ORDER: gl.constexpr, PINGPONG: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr, DEFER_O: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS >= 1 and CONSUMERS <= 3)
     gl.static_assert(not PINGPONG or CONSUMERS == 2)
     # A deferred O store holds its tile's Q buffer into the next tile: two buffers, and
     # a dense batch (a packed one stores O with plain stores).
     gl.static_assert(not DEFER_O or (Q_BUFS == 2 and not IS_VARLEN))
+    gl.static_assert(not OVERLAP or (Q_BUFS == 2 and not IS_VARLEN and not DEFER_O))
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     if IS_VARLEN:
@@ -406,21 +639,21 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -435,14 +668,14 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
                          v_empty, turn, desc_o, O, LSE, CU_Q, CU_K, stride_ob, stride_oh,
                          stride_om,
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -457,7 +690,7 @@ def _attn_fwd_hopper_kernel(
                          n_tiles, n_progs, n_m, bh_total, chunk, heads_q, seq_q, seq_k,
                          left, right, qk_scale, cap_scale, cap_log2, CONSUMERS, BLOCK_N, D,
                          STAGES, Q_BUFS, ORDER, PINGPONG, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                         IS_VARLEN, DEFER_O)),
+                         IS_VARLEN, DEFER_O, OVERLAP)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -567,7 +800,7 @@ class HopperLaunch:
             Q_BUFS=hopper_q_buffers(c, q.shape[-1]), ORDER=c.tile_order,
             PINGPONG=bool(c.pingpong), MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             SOFTCAP=softcap > 0.0, CONSUMER_REGS=c.consumer_regs, IS_VARLEN=packed is not None,
-            DEFER_O=bool(c.defer_o), num_warps=4)
+            DEFER_O=bool(c.defer_o), OVERLAP=bool(c.tile_overlap), num_warps=4)
         self.launch = BoundLaunch(_attn_fwd_hopper_kernel, (grid_size,), args, kwargs, 8)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

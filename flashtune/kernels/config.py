@@ -90,8 +90,8 @@ class FwdConfig:
     ``variant`` picks the kernel family and so which knobs exist: the portable kernel
     uses ``num_warps``, ``maxnreg`` and ``use_tma``; the Hopper kernel runs one consumer
     warpgroup per 64 query rows (``block_m`` 64, 128 or 192), a K/V ring ``num_stages`` deep,
-    and uses ``consumer_regs``, ``persistent``, ``tile_order``, ``pingpong`` and
-    ``defer_o``.
+    and uses ``consumer_regs``, ``persistent``, ``tile_order``, ``pingpong``, ``defer_o``
+    and ``tile_overlap``.
     """
 
     block_m: int = knob(64, FWD_BLOCK_M, "query rows per program (192: Hopper only)")
@@ -115,6 +115,9 @@ class FwdConfig:
     defer_o: int = knob(0, (0, 1), "a tile's O store is waited for behind the next tile's "
                         "first product (persistent, two Q buffers, dense batches)",
                         variants=_H)
+    tile_overlap: int = knob(0, (0, 1), "a tile's last PV and its end run beside the next "
+                             "tile's first QK^T (persistent, two Q buffers, dense batches)",
+                             variants=_H)
 
     kind = "fwd"
 
@@ -413,17 +416,30 @@ def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
             f"fwd hopper: a K/V ring of {c.num_stages} buffers (allowed: 2 to 4)")
     if c.pingpong and consumers != 2:
         raise InfeasibleConfigError("fwd hopper: pingpong needs two consumers (block_m=128)")
-    if c.defer_o:
-        # The deferred store holds its tile's Q buffer until the next tile's first product.
+    for knob_name in ("defer_o", "tile_overlap"):
+        if not getattr(c, knob_name):
+            continue
+        # Each holds a tile's Q buffer (its O goes out through it) into the next tile.
         if p.packed:
             raise InfeasibleConfigError(
-                "fwd hopper: defer_o=1 on a packed batch, whose O goes out with plain "
-                "stores (allowed: defer_o=0)")
+                f"fwd hopper: {knob_name}=1 on a packed batch, whose O goes out with plain "
+                f"stores (allowed: {knob_name}=0)")
         if hopper_q_buffers(c, p.head_dim) != 2:
             raise InfeasibleConfigError(
-                "fwd hopper: defer_o=1 needs a persistent grid with two Q buffers "
+                f"fwd hopper: {knob_name}=1 needs a persistent grid with two Q buffers "
                 f"(persistent={c.persistent}, and two must fit in shared memory beside "
                 f"the K/V ring of {c.num_stages})")
+    if c.tile_overlap and consumers == 3:
+        # Built for sm_90a with Triton 3.6: the open tile's accumulator and P do not fit
+        # the three consumers' 152-160 registers (the causal 192x128 tile at D=64 spilled
+        # 408 bytes of loads, against none without the overlap).
+        raise InfeasibleConfigError(
+            "fwd hopper: tile_overlap=1 with three consumers (block_m=192): the open tile's "
+            "accumulator and P do not fit their registers (allowed: block_m 64 or 128)")
+    if c.defer_o and c.tile_overlap:
+        raise InfeasibleConfigError(
+            "fwd hopper: tile_overlap=1 defers the O store its own way; defer_o=1 beside it "
+            "has no meaning (allowed: defer_o=0)")
     producer = hopper_producer_regs(consumers, c.consumer_regs)
     if producer < 24:
         raise InfeasibleConfigError(

@@ -124,11 +124,11 @@ def _bit_identical(seed: int) -> list[str]:
     return failures
 
 
-def _deferred_store(seed: int) -> list[str]:
-    """``defer_o=1`` changes only when a tile's O store is waited for: its outputs equal
-    the same config's with ``defer_o=0`` bit for bit, on persistent grids that walk many
-    tiles, including tiles whose rows see no key (Sq > Sk, causal: no product to hide the
-    store behind) and short rows."""
+def _tile_end_knobs(seed: int) -> list[str]:
+    """``defer_o=1`` changes only when a tile's O store is waited for, ``tile_overlap=1``
+    only when a tile's last PV and end run (beside the next tile's first QK^T): each
+    config's outputs equal the serial one's bit for bit, on persistent grids that walk
+    many tiles, including tiles whose rows see no key (Sq > Sk, causal) and short rows."""
     import dataclasses
 
     import torch
@@ -144,21 +144,26 @@ def _deferred_store(seed: int) -> list[str]:
     for p in (Problem(2, 8, 2, 1500, 1500, 128, "bf16", True),
               Problem(2, 8, 2, 1500, 1500, 64, "fp16", False),
               Problem(8, 16, 2, 1025, 97, 64, "bf16", True),
-              Problem(32, 16, 16, 512, 512, 128, "bf16", True)):
+              Problem(32, 16, 16, 512, 512, 128, "bf16", True),
+              Problem(2, 4, 4, 700, 700, 64, "bf16", True, (50, -1))):
         q, k, v, _ = make_qkv(p, "cuda", gen=torch.Generator().manual_seed(seed))
-        deferred: list[Any] = []
-        for c in distinct_configs(None, p, rng, 12, HOPPER, max_stages=4):
-            on = dataclasses.replace(c, persistent=1, defer_o=1)
-            if is_feasible(on, p)[0] and on not in deferred:
-                deferred.append(on)
-        if not deferred:
-            failures.append(f"{p}: no feasible defer_o config drawn")
-        for on in deferred[:3]:
-            off = dataclasses.replace(on, defer_o=0)
-            o1, l1 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=on)
-            o0, l0 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=off)
-            if not (torch.equal(o1, o0) and torch.equal(l1, l0)):
-                failures.append(f"{p} {on}: differs from defer_o=0")
+        for knob in ("defer_o", "tile_overlap"):
+            picked: list[Any] = []
+            for c in distinct_configs(None, p, rng, 16, HOPPER, max_stages=4):
+                on = dataclasses.replace(c, persistent=1, defer_o=0, tile_overlap=0,
+                                         **{knob: 1})
+                if is_feasible(on, p)[0] and on not in picked:
+                    picked.append(on)
+            if not picked:
+                failures.append(f"{p}: no feasible {knob} config drawn")
+            for on in picked[:3]:
+                off = dataclasses.replace(on, **{knob: 0})
+                o1, l1 = flash_attention(q, k, v, causal=p.causal, window_size=p.window,
+                                         return_lse=True, config=on)
+                o0, l0 = flash_attention(q, k, v, causal=p.causal, window_size=p.window,
+                                         return_lse=True, config=off)
+                if not (torch.equal(o1, o0) and torch.equal(l1, l0)):
+                    failures.append(f"{p} {on}: differs from {knob}=0")
     return failures
 
 
@@ -236,7 +241,7 @@ def needs_hopper() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
-                                   "_deferred_store", "_varlen"])
+                                   "_tile_end_knobs", "_varlen"])
 def test_hopper_forward(group: str, seed: int, needs_hopper: None) -> None:
     failures = _watched(group, seed)
     assert not failures, "\n".join(failures)

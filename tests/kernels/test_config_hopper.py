@@ -43,6 +43,7 @@ def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
     check_fwd(HOP, P128)
     check_fwd(dataclasses.replace(HOP, pingpong=1, persistent=1, tile_order=2), P128)
     check_fwd(dataclasses.replace(HOP, persistent=1, defer_o=1), P128)
+    check_fwd(dataclasses.replace(HOP, persistent=1, pingpong=1, tile_overlap=1), P128)
     check_fwd(dataclasses.replace(HOP, block_m=64, block_n=64, num_stages=4),
               dataclasses.replace(P128, head_dim=64))
     # Three consumers (FA3's D=64 tile), at the registers the producer's share leaves.
@@ -72,6 +73,13 @@ def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
      "defer_o=1 needs a persistent grid with two Q buffers .persistent=1"),
     ({"defer_o": 1, "persistent": 1}, {"total_q": 8000, "total_k": 8000},
      "defer_o=1 on a packed batch"),
+    # So does the overlapped consumer, which also keeps a whole open tile in registers.
+    ({"tile_overlap": 1}, {}, "tile_overlap=1 needs a persistent grid with two Q buffers"),
+    ({"tile_overlap": 1, "persistent": 1}, {"total_q": 8000, "total_k": 8000},
+     "tile_overlap=1 on a packed batch"),
+    ({"tile_overlap": 1, "persistent": 1, "block_m": 192, "consumer_regs": 160},
+     {"head_dim": 64}, "tile_overlap=1 with three consumers"),
+    ({"tile_overlap": 1, "defer_o": 1, "persistent": 1}, {}, "defer_o=1 beside it"),
     ({"consumer_regs": 216}, {}, "consumer_regs=216"),
     ({"num_warps": 8}, {}, "num_warps=8 has no meaning for the hopper kernel"),
     ({"use_tma": 1}, {}, "use_tma=1 has no meaning"),
@@ -94,7 +102,7 @@ def test_packed_batches_take_the_hopper_forward(on_hopper: None) -> None:
 
 @pytest.mark.parametrize("field, value", [("persistent", 1), ("tile_order", 2),
                                           ("pingpong", 1), ("consumer_regs", 232),
-                                          ("defer_o", 1)])
+                                          ("defer_o", 1), ("tile_overlap", 1)])
 def test_portable_config_rejects_hopper_knobs(field: str, value: int) -> None:
     with pytest.raises(InfeasibleConfigError, match=f"{field}={value} has no meaning for the "
                                                     "portable kernel"):
@@ -236,7 +244,8 @@ def test_serialization_round_trip_and_old_exports() -> None:
 
 def test_active_fields_follow_the_variant() -> None:
     hop, port = set(active_fields(FwdConfig, HOPPER)), set(active_fields(FwdConfig, PORTABLE))
-    assert {"consumer_regs", "persistent", "tile_order", "pingpong", "defer_o"} <= hop - port
+    assert {"consumer_regs", "persistent", "tile_order", "pingpong", "defer_o",
+            "tile_overlap"} <= hop - port
     assert {"num_warps", "maxnreg", "use_tma"} <= port - hop
     assert {"block_m", "block_n", "num_stages", "variant"} <= hop & port
 

@@ -1,0 +1,133 @@
+"""The Hopper forward's tile-end knobs A/B (issue 12): ``defer_o`` (a tile's O store waited
+for behind the next tile's first product) and ``tile_overlap`` (a tile's last PV and its
+end beside the next tile's first QK^T), against the serial consumer.
+
+Session 20's arithmetic put about 5 us per tile on short rows into each tile's serial start
+and end. For each shape of the standard matrix (``--max-seq`` to narrow), the shipped config
+for this GPU and the heuristic default are timed, each where it runs a persistent grid
+with two Q buffers, as is and with each knob that it can take. The timing is one
+interleaved loop beside cuDNN (the inference forward, through ``flash_attention`` with
+the config forced; house protocol). Before that, every variant's O and LSE are checked to
+equal the serial config's bit for bit. Prints cuDNN / ours per variant and each knob's
+gain, and writes JSON.
+
+    timeout -k 10 400 python3 benchmarks/experiments/fwd_tile_end_ab.py --out $OUT/ends.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_attention import _label, environment  # noqa: E402
+from hopper_fwd_consumers import shipped_config  # noqa: E402
+
+from flashtune.kernels.attention import flash_attention  # noqa: E402
+from flashtune.kernels.config import HOPPER, default_fwd, is_feasible  # noqa: E402
+from flashtune.problem import Problem  # noqa: E402
+from flashtune.timing import anchors, make_inputs, standard_matrix, time_interleaved  # noqa: E402
+
+KNOBS = ("defer_o", "tile_overlap")
+
+
+def variants(p: Problem) -> dict[str, dict[str, Any]]:
+    """{base name: {"off": config, knob: config with it, ...}} for the shipped config and
+    the default (where it differs), each knob where it can run."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, c in (("shipped", shipped_config(p, torch.cuda.get_device_name())),
+                    ("default", default_fwd(p))):
+        if c is None or c.variant != HOPPER:
+            continue
+        off = dataclasses.replace(c, defer_o=0, tile_overlap=0)
+        if any(v["off"] == off for v in out.values()):
+            continue
+        got = {knob: dataclasses.replace(off, **{knob: 1}) for knob in KNOBS}
+        got = {k: c for k, c in got.items() if is_feasible(c, p)[0]}
+        if got:
+            out[name] = {"off": off, **got}
+    return out
+
+
+def scan(p: Problem, rep_ms: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "bases": {}}
+    got = variants(p)
+    if not got:
+        row["skipped"] = "no config here runs a persistent grid with two Q buffers"
+        return row
+    q, k, v = make_inputs(p, "cuda")
+    names: list[str] = []
+    fns: list[Any] = []
+    for base, cfgs in got.items():
+        o0, l0 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=cfgs["off"])
+        info: dict[str, Any] = {"config": dataclasses.asdict(cfgs["off"]), "bit_identical": {}}
+        for tag, c in cfgs.items():
+            if tag != "off":
+                o1, l1 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=c)
+                info["bit_identical"][tag] = bool(torch.equal(o0, o1) and torch.equal(l0, l1))
+                if not info["bit_identical"][tag]:
+                    continue  # a wrong output is reported, never timed
+            names.append(f"{base}:{tag}")
+            fns.append(lambda c=c: flash_attention(q, k, v, causal=p.causal, config=c))
+        row["bases"][base] = info
+    cudnn = anchors(p, ("cudnn",)).get("cudnn")
+    if cudnn is not None:
+        names.append("cudnn")
+        fns.append(lambda: cudnn(q, k, v))
+    with torch.no_grad():
+        ts = time_interleaved(fns, rep_ms=rep_ms, rounds=3)
+    row["ms"] = {n: t.median_ms for n, t in zip(names, ts, strict=True)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-seq", type=int, default=16384)
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    args = ap.parse_args()
+    rows = []
+    for p in standard_matrix():
+        if p.seqlen_q > args.max_seq:
+            continue
+        rows.append(scan(p, args.rep_ms))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        with open(args.out, "w") as f:  # after every shape: a run cut short keeps its rows
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    gains: dict[str, list[float]] = {}
+    print(f"{'shape':34s} {'base':8s} " + " ".join(f"{'cuDNN/' + t:>18s}"
+                                                 for t in ("off", *KNOBS)))
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['label']:34s} skipped: {r['skipped']}")
+            continue
+        ms = r["ms"]
+        c = ms.get("cudnn", math.nan)
+        for base, info in r["bases"].items():
+            cells = []
+            for tag in ("off", *KNOBS):
+                x = ms.get(f"{base}:{tag}")
+                if tag != "off" and not info["bit_identical"].get(tag, True):
+                    cells.append(f"{'OUTPUT DIFFERS':>18s}")
+                elif x is None:
+                    cells.append(f"{'-':>18s}")
+                else:
+                    cells.append(f"{c / x:18.3f}")
+                    if tag != "off":
+                        gains.setdefault(f"{base}:{tag}", []).append(
+                            math.log(ms[f"{base}:off"] / x))
+            print(f"{r['label']:34s} {base:8s} " + " ".join(cells))
+    for name, g in gains.items():
+        print(f"{name}: over the serial config, geomean {math.exp(sum(g) / len(g)):.3f} "
+              f"over {len(g)} shapes (min {math.exp(min(g)):.3f}, max {math.exp(max(g)):.3f})")
+
+
+if __name__ == "__main__":
+    main()
