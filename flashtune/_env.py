@@ -6,7 +6,8 @@ run time); nothing here imports torch or triton at module level.
 - ``TRITON_INTERPRET``: :func:`interpreting`, by Triton's own rule ("1", "true" or
   "on", any case), so flashtune and Triton always agree on whether the interpreter runs.
 - ``FLASHTUNE_DB``: :func:`database_url` (None when unset or empty).
-- ``FLASHTUNE_STRICT``, ``FLASHTUNE_TUNE_ON_MISS``, ``FLASHTUNE_DIST_SYNC``: :func:`flag`.
+- ``FLASHTUNE_STRICT``, ``FLASHTUNE_TUNE_ON_MISS``, ``FLASHTUNE_DIST_SYNC``,
+  ``FLASHTUNE_UNVERIFIED_KNOBS`` (``kernels.config.UNVERIFIED_KNOBS``): :func:`flag`.
 - ``FLASHTUNE_TUNE_TRIALS``, ``FLASHTUNE_DIST_TIMEOUT``, ``FLASHTUNE_SIGNAL_GRACE``:
   :func:`number`.
 """

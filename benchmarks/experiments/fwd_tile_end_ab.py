@@ -26,6 +26,10 @@ from typing import Any
 
 import torch
 
+from flashtune.kernels.config import UNVERIFIED_ENV
+
+os.environ.setdefault(UNVERIFIED_ENV, "1")  # the knobs under test (config.UNVERIFIED_KNOBS)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import _label, environment  # noqa: E402
 from hopper_fwd_consumers import shipped_config  # noqa: E402

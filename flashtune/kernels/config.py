@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashtune._env import flag
 from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels._triton_info import triton_version
 from flashtune.problem import Problem
@@ -395,6 +396,14 @@ def hopper_producer_regs(consumers: int, consumer_regs: int) -> int:
     return budget // 128 // 8 * 8
 
 
+# Knobs whose kernel code was written without a GPU: it has not yet run, and a barrier slip
+# in it would hang the kernel. Refused (so never searched, stored or dispatched) unless
+# UNVERIFIED_ENV is set, as their GPU tests and A/B scripts do; a knob leaves this list
+# once its GPU checks pass (BENCHMARKS.md, issue 12, session 37).
+UNVERIFIED_KNOBS = ("defer_o", "tile_overlap")
+UNVERIFIED_ENV = "FLASHTUNE_UNVERIFIED_KNOBS"
+
+
 def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
     if p.head_dim not in (64, 128):
         raise InfeasibleConfigError(
@@ -458,6 +467,11 @@ def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"fwd hopper: ~{regs + margin:.0f} registers per consumer thread exceed "
             f"consumer_regs={c.consumer_regs}")
+    for name in UNVERIFIED_KNOBS:
+        if getattr(c, name) and not flag(UNVERIFIED_ENV):
+            raise InfeasibleConfigError(
+                f"fwd hopper: {name}=1 has not yet run on a GPU (set {UNVERIFIED_ENV}=1 to "
+                f"try it)")
     reason = hopper_support()
     if reason:
         raise InfeasibleConfigError(f"fwd hopper: {reason}")

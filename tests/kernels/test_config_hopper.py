@@ -39,9 +39,11 @@ def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "hopper_support", lambda: "")
 
 
-def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None) -> None:
+def test_hopper_config_passes_every_rule_on_a_hopper(on_hopper: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     check_fwd(HOP, P128)
     check_fwd(dataclasses.replace(HOP, pingpong=1, persistent=1, tile_order=2), P128)
+    monkeypatch.setenv(config.UNVERIFIED_ENV, "1")
     check_fwd(dataclasses.replace(HOP, persistent=1, defer_o=1), P128)
     check_fwd(dataclasses.replace(HOP, persistent=1, pingpong=1, tile_overlap=1), P128)
     check_fwd(dataclasses.replace(HOP, block_m=64, block_n=64, num_stages=4),
@@ -89,6 +91,19 @@ def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_
                                          words: str) -> None:
     with pytest.raises(InfeasibleConfigError, match=words):
         check_fwd(dataclasses.replace(HOP, **change), dataclasses.replace(P128, **problem_change))
+
+
+@pytest.mark.parametrize("knob", config.UNVERIFIED_KNOBS)
+def test_knobs_not_yet_run_on_a_gpu_are_refused_unless_asked_for(
+        on_hopper: None, monkeypatch: pytest.MonkeyPatch, knob: str) -> None:
+    """A knob whose kernel code has not run on a GPU is never searched or served: only its
+    GPU tests and A/B scripts, which set the variable, reach it."""
+    cfg = dataclasses.replace(HOP, persistent=1, **{knob: 1})
+    monkeypatch.delenv(config.UNVERIFIED_ENV, raising=False)
+    with pytest.raises(InfeasibleConfigError, match=f"{knob}=1 has not yet run on a GPU"):
+        check_fwd(cfg, P128)
+    monkeypatch.setenv(config.UNVERIFIED_ENV, "1")
+    check_fwd(cfg, P128)
 
 
 def test_packed_batches_take_the_hopper_forward(on_hopper: None) -> None:
