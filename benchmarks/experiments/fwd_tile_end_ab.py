@@ -3,15 +3,17 @@ for behind the next tile's first product) and ``tile_overlap`` (a tile's last PV
 end beside the next tile's first QK^T), against the serial consumer.
 
 Session 20's arithmetic put about 5 us per tile on short rows into each tile's serial start
-and end. For each shape of the standard matrix (``--max-seq`` to narrow), the shipped config
-for this GPU and the heuristic default are timed, each where it runs a persistent grid
-with two Q buffers, as is and with each knob that it can take. The timing is one
+and end. For each shape of the standard matrix (``--min-seq``/``--max-seq`` and ``--bases``
+narrow it), the shipped config for this GPU and the heuristic default are timed, each
+where it runs a persistent grid with two Q buffers, as is and with each knob that it can
+take. The timing is one
 interleaved loop beside cuDNN (the inference forward, through ``flash_attention`` with
 the config forced; house protocol). Before that, every variant's O and LSE are checked to
 equal the serial config's bit for bit. Prints cuDNN / ours per variant and each knob's
 gain, and writes JSON.
 
-    timeout -k 10 400 python3 benchmarks/experiments/fwd_tile_end_ab.py --out $OUT/ends.json
+    timeout -k 10 300 python3 benchmarks/experiments/fwd_tile_end_ab.py --max-seq 2048 \
+        --bases shipped --out $OUT/ends.json
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from flashtune.timing import anchors, make_inputs, standard_matrix, time_interle
 KNOBS = ("defer_o", "tile_overlap")
 
 
-def variants(p: Problem) -> dict[str, dict[str, Any]]:
+def variants(p: Problem, bases: tuple[str, ...] = ("shipped", "default"),
+             ) -> dict[str, dict[str, Any]]:
     """{base name: {"off": config, knob: config with it, ...}} for the shipped config and
-    the default (where it differs), each knob where it can run."""
+    the default (where it differs), those of ``bases``, each knob where it can run."""
     out: dict[str, dict[str, Any]] = {}
     for name, c in (("shipped", shipped_config(p, torch.cuda.get_device_name())),
                     ("default", default_fwd(p))):
-        if c is None or c.variant != HOPPER:
+        if name not in bases or c is None or c.variant != HOPPER:
             continue
         off = dataclasses.replace(c, defer_o=0, tile_overlap=0)
         if any(v["off"] == off for v in out.values()):
@@ -60,9 +63,9 @@ def variants(p: Problem) -> dict[str, dict[str, Any]]:
     return out
 
 
-def scan(p: Problem, rep_ms: float) -> dict[str, Any]:
+def scan(p: Problem, rep_ms: float, bases: tuple[str, ...]) -> dict[str, Any]:
     row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "bases": {}}
-    got = variants(p)
+    got = variants(p, bases)
     if not got:
         row["skipped"] = "no config here runs a persistent grid with two Q buffers"
         return row
@@ -95,13 +98,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-seq", type=int, default=16384)
+    ap.add_argument("--min-seq", type=int, default=1, help="with --max-seq: one slice")
     ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--bases", default="shipped,default",
+                    help="the configs to vary: shipped, default or both (fewer builds)")
     args = ap.parse_args()
     rows = []
     for p in standard_matrix():
-        if p.seqlen_q > args.max_seq:
+        if not args.min_seq <= p.seqlen_q <= args.max_seq:
             continue
-        rows.append(scan(p, args.rep_ms))
+        rows.append(scan(p, args.rep_ms, tuple(args.bases.split(","))))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps its rows
             json.dump({"environment": environment(), "rows": rows}, f, indent=1)
