@@ -47,10 +47,12 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
 6. On a GPU its figure, the one written to the database, is then taken as the bench takes
    a tuned row: in one interleaved loop with the heuristic default and, where they run
    the problem, SDPA's cuDNN, FA2 and efficient backends (the anchored timing,
-   :data:`ANCHORED_ROUNDS`). The company sets the clocks: the finalists alone are dense
-   tensor-core work that holds the GPU at its power limit, and on the H200 the stored
-   figures of long forwards read 3-10% slower than the bench's rows of the same configs
-   (BENCHMARKS.md, issue 17, session 36). The anchors' own times are kept with the result.
+   :data:`ANCHORED_ROUNDS`; for the backward, the winner's backward launches beside the
+   anchors' forward and backward). A loop's company sets the GPU's clock (on the H200,
+   tuned and cuDNN alone ran at 1770 MHz, the bench's full loop at 1935 MHz: BENCHMARKS.md,
+   session 34), and the stored figures of long forwards, from the finalists' loop, read
+   3-10% slower than the bench's rows of the same configs (session 36). The anchors' own
+   times are kept with the result.
 
 The study lives in the tuning database (:mod:`.study`), each candidate written once with
 its outcome, so a second ``tune()`` of the same problem resumes it: stored trials are
