@@ -152,8 +152,8 @@ def _tile_end_knobs(seed: int) -> list[str]:
         for knob in ("defer_o", "tile_overlap"):
             picked: list[Any] = []
             for c in distinct_configs(None, p, rng, 16, HOPPER, max_stages=4):
-                on = dataclasses.replace(c, persistent=1, defer_o=0, tile_overlap=0,
-                                         **{knob: 1})
+                on = dataclasses.replace(c, **{"persistent": 1, "defer_o": 0,
+                                               "tile_overlap": 0, knob: 1})
                 if is_feasible(on, p)[0] and on not in picked:
                     picked.append(on)
             if not picked:

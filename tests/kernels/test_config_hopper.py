@@ -25,6 +25,7 @@ from flashtune.kernels.config import (
     config_from_dict,
     config_to_dict,
     default_fwd,
+    hopper_q_buffers,
 )
 from flashtune.problem import Problem
 
@@ -112,7 +113,10 @@ def test_packed_batches_take_the_hopper_forward(on_hopper: None) -> None:
     packed = dataclasses.replace(P128, total_q=8000, total_k=8000)
     check_fwd(HOP, packed)
     assert default_fwd(packed).variant == HOPPER
-    assert default_fwd(packed) == default_fwd(P128)
+    # The same config, but a packed batch's O goes out with plain stores: nothing to defer.
+    assert default_fwd(packed) == dataclasses.replace(default_fwd(P128), defer_o=0)
+    dense = default_fwd(P128)
+    assert dense.defer_o == int(hopper_q_buffers(dense, P128.head_dim) == 2)
 
 
 @pytest.mark.parametrize("field, value", [("persistent", 1), ("tile_order", 2),
@@ -207,6 +211,10 @@ def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
     for p in (short64, short128):
         assert (default_fwd(p).persistent, default_fwd(p).tile_order) == (1, 3), p
     assert default_fwd(short128).pingpong and not default_fwd(short64).pingpong
+    # Where two Q buffers fit beside the ring, a tile's O store is waited for late.
+    for p in (short64, short128, dataclasses.replace(short64, causal=False)):
+        c = default_fwd(p)
+        assert c.defer_o == int(hopper_q_buffers(c, p.head_dim) == 2), (p, c)
     for p in (dataclasses.replace(short64, seqlen_q=4096, seqlen_k=4096),
               dataclasses.replace(short128, seqlen_q=8192, seqlen_k=8192)):
         assert default_fwd(p).variant == HOPPER and not default_fwd(p).persistent
