@@ -14,6 +14,15 @@ gain, and writes JSON.
 
     timeout -k 10 300 python3 benchmarks/experiments/fwd_tile_end_ab.py --max-seq 2048 \
         --bases shipped --out $OUT/ends.json
+
+A variant whose outputs differ is not timed; its row records where they differ
+(``where_differs``). ``--knobs`` picks the knobs, ``--check-only`` skips the timing, so
+that one knob's check can run under ``compute-sanitizer`` (session 38: ``tile_overlap``
+differed on the first shape and hit an illegal address on the next):
+
+    timeout -k 10 500 compute-sanitizer --tool memcheck python3 \
+        benchmarks/experiments/fwd_tile_end_ab.py --knobs tile_overlap --check-only \
+        --max-seq 512 --out $OUT/overlap.json
 """
 
 from __future__ import annotations
@@ -41,7 +50,29 @@ from flashtune.kernels.config import HOPPER, default_fwd, is_feasible  # noqa: E
 from flashtune.problem import Problem  # noqa: E402
 from flashtune.timing import anchors, make_inputs, standard_matrix, time_interleaved  # noqa: E402
 
-KNOBS = ("defer_o", "tile_overlap")
+KNOBS = ["defer_o", "tile_overlap"]  # --knobs narrows it
+
+
+def where_differs(o0: torch.Tensor, o1: torch.Tensor, l0: torch.Tensor, l1: torch.Tensor,
+                  block_m: int) -> dict[str, Any]:
+    """Where a variant's O (B, S, H, D) and LSE (B, H, S) leave the serial config's: how
+    many (batch, head, row) rows differ in each, the largest O difference, the first such
+    row, and the rows' positions within their query tile (``block_m``), to tell a slip at
+    a tile's end from one spread over the tile."""
+    o_bad = (o0 != o1).any(-1).permute(0, 2, 1)  # (B, H, S)
+    l_bad = (l0 != l1) & ~(l0.isinf() & l1.isinf() & (l0 == l1))
+    bad = o_bad | l_bad
+    idx = bad.nonzero()
+    out: dict[str, Any] = {"o_rows": int(o_bad.sum()), "lse_rows": int(l_bad.sum()),
+                           "rows": int(bad.numel()),
+                           "o_max_abs": float((o0.float() - o1.float()).abs().max())}
+    if len(idx):
+        out["first"] = [int(x) for x in idx[0]]
+        within = (idx[:, 2] % block_m).tolist()
+        out["within_tile"] = {"min": min(within), "max": max(within)}
+        out["tiles"] = int((idx[:, 0] * 1_000_000 + idx[:, 1] * 10_000
+                            + idx[:, 2] // block_m).unique().numel())
+    return out
 
 
 def variants(p: Problem, bases: tuple[str, ...] = ("shipped", "default"),
@@ -63,7 +94,8 @@ def variants(p: Problem, bases: tuple[str, ...] = ("shipped", "default"),
     return out
 
 
-def scan(p: Problem, rep_ms: float, bases: tuple[str, ...]) -> dict[str, Any]:
+def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], timed: bool = True,
+         ) -> dict[str, Any]:
     row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "bases": {}}
     got = variants(p, bases)
     if not got:
@@ -78,12 +110,17 @@ def scan(p: Problem, rep_ms: float, bases: tuple[str, ...]) -> dict[str, Any]:
         for tag, c in cfgs.items():
             if tag != "off":
                 o1, l1 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=c)
+                torch.cuda.synchronize()  # an illegal address is this variant's, not later
                 info["bit_identical"][tag] = bool(torch.equal(o0, o1) and torch.equal(l0, l1))
                 if not info["bit_identical"][tag]:
+                    info.setdefault("differs", {})[tag] = where_differs(o0, o1, l0, l1,
+                                                                        c.block_m)
                     continue  # a wrong output is reported, never timed
             names.append(f"{base}:{tag}")
             fns.append(lambda c=c: flash_attention(q, k, v, causal=p.causal, config=c))
         row["bases"][base] = info
+    if not timed:
+        return row
     cudnn = anchors(p, ("cudnn",)).get("cudnn")
     if cudnn is not None:
         names.append("cudnn")
@@ -102,12 +139,17 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--bases", default="shipped,default",
                     help="the configs to vary: shipped, default or both (fewer builds)")
+    ap.add_argument("--knobs", default=",".join(KNOBS),
+                    help="the knobs to try, comma-separated (default: both)")
+    ap.add_argument("--check-only", action="store_true",
+                    help="compare outputs only, no timing (say, under compute-sanitizer)")
     args = ap.parse_args()
+    KNOBS[:] = [k for k in args.knobs.split(",") if k]
     rows = []
     for p in standard_matrix():
         if not args.min_seq <= p.seqlen_q <= args.max_seq:
             continue
-        rows.append(scan(p, args.rep_ms, tuple(args.bases.split(","))))
+        rows.append(scan(p, args.rep_ms, tuple(args.bases.split(",")), not args.check_only))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps its rows
             json.dump({"environment": environment(), "rows": rows}, f, indent=1)
@@ -118,7 +160,7 @@ def main() -> None:
         if "skipped" in r:
             print(f"{r['label']:34s} skipped: {r['skipped']}")
             continue
-        ms = r["ms"]
+        ms = r.get("ms", {})
         c = ms.get("cudnn", math.nan)
         for base, info in r["bases"].items():
             cells = []
