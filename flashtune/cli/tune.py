@@ -141,8 +141,12 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
                                if n != "winner")
             clk = r.anchored.get("clocks")
             at = f" at {clk['sm_mhz']['median']:g} MHz" if clk else ""
+            # For the backward the anchors run forward and backward, the default (like the
+            # winner) its backward alone: the anchors' times are not backward times.
+            whose = ("; SDPA's times are forward and backward"
+                     if d == "bwd" and set(r.anchored["ms"]) - {"winner", "default"} else "")
             click.echo(f"  beside   {beside or 'nothing else'}{at} (the time above was "
-                       "taken in that loop)")
+                       f"taken in that loop){whose}")
         click.echo(f"  trials   {r.trials} measured ({r.complete} ok, {r.failed} failed, "
                    f"{r.pruned} pruned), {r.infeasible} infeasible; stopped: {r.stop_reason}; "
                    f"{r.search_seconds:.1f} s")
