@@ -178,6 +178,39 @@ def exit_when_stuck(report: Callable[[int], int]) -> Iterator[None]:
 
 
 @contextmanager
+def json_stdout(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """Keep stdout for one JSON document: while it lasts (``enabled``), whatever else writes
+    to this process's stdout (file descriptor 1), and every process started meanwhile,
+    goes to stderr instead; the document goes out through the callable it yields. Triton,
+    for one, prints a whole PTX listing to stdout when ptxas fails (a kill by a time limit
+    included), which left ``autotune bench --json > out.json`` unreadable. Where stdout is
+    not descriptor 1 (click's test runner), or without ``enabled``, the callable is
+    ``click.echo`` and nothing is redirected."""
+    try:
+        real = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        real = False
+    if not (enabled and real):
+        yield click.echo
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+
+    def emit(text: str) -> None:
+        sys.stdout.flush()  # what was printed before goes out first, to stderr
+        with os.fdopen(os.dup(saved), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+    try:
+        yield emit
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextmanager
 def clean_errors() -> Iterator[None]:
     """Turn expected failures into one line on stderr and exit status 1."""
     try:

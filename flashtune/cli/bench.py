@@ -19,6 +19,7 @@ from flashtune.cli._common import (
     db_option,
     exit_when_stuck,
     fmt,
+    json_stdout,
     kernel_mode,
     shape_label,
     shape_options,
@@ -404,7 +405,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     from flashtune.db.fingerprint import device_info, software_info
     from flashtune.dispatch._table import load_table
 
-    with clean_errors():
+    with clean_errors(), json_stdout(as_json) as emit:
         # Read up front: a report made while the GPU hangs (exit_when_stuck) asks it nothing.
         meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
                 "interpreter": interpreter,
@@ -437,7 +438,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         def stuck(signum: int) -> int:  # the main thread never answered the signal
             try:
                 _report(list(rows), list(errors), len(problems), meta, as_json,
-                        interrupted=True)
+                        interrupted=True, emit=emit)
             except click.ClickException as e:
                 e.show()
             return 128 + signum
@@ -465,16 +466,18 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                     interrupted = True
         finally:
             restore()
-    if not _report(rows, errors, len(problems), meta, as_json, interrupted):
+        done = _report(rows, errors, len(problems), meta, as_json, interrupted, emit)
+    if not done:
         sys.exit(interrupted_status())
 
 
 def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dict[str, Any],
-            as_json: bool, interrupted: bool) -> bool:
-    """Print the rows (a table, or one JSON document with ``as_json``, which holds
-    ``meta``: device, software, interpreter), the geomeans and the errors; False when
-    interrupted (the command then exits with the signal's status). A ClickException when
-    nothing at all was measured."""
+            as_json: bool, interrupted: bool,
+            emit: Callable[[str], None] = click.echo) -> bool:
+    """Print the rows (a table, or one JSON document with ``as_json``, through ``emit``:
+    see :func:`json_stdout`; it holds ``meta``: device, software, interpreter), the
+    geomeans and the errors; False when interrupted (the command then exits with the
+    signal's status). A ClickException when nothing at all was measured."""
     done = len(rows) // 3  # three timings (rows) per shape measured
     if interrupted:
         click.echo(f"interrupted: {done} of {total} shapes measured; the results "
@@ -490,7 +493,7 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
     if as_json:
         import datetime
 
-        click.echo(json.dumps({
+        emit(json.dumps({
             **meta,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "rows": rows, "geomean_ratios": summary, "errors": errors,

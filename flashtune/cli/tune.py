@@ -23,6 +23,7 @@ from flashtune.cli._common import (
     FiniteRange,
     clean_errors,
     db_option,
+    json_stdout,
     search_options,
     where,
 )
@@ -112,18 +113,18 @@ def tune_cmd(interpret: bool, db_url: str | None, batch: int, heads: int, kv_hea
                           total_q=tokens or 0, total_k=tokens or 0)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    with clean_errors():
+    with clean_errors(), json_stdout(as_json) as emit:
         res = tune(problem, direction, trials=trials, time_budget=time_budget,
                    storage=db_url, interpret=interpret or None, patience=patience,
                    trial_timeout=trial_timeout, compile_workers=compile_workers, seed=seed,
                    progress=None if quiet else _progress)
-    results = res if isinstance(res, dict) else {direction: res}
-    if as_json:
-        # The storage URL is shown without its password, here as everywhere.
-        click.echo(json.dumps({d: r.as_dict() | {"storage_url": where(r.storage_url)}
-                               for d, r in results.items()}, indent=2, sort_keys=True,
-                              default=str))
-        return
+        results = res if isinstance(res, dict) else {direction: res}
+        if as_json:
+            # The storage URL is shown without its password, here as everywhere.
+            emit(json.dumps({d: r.as_dict() | {"storage_url": where(r.storage_url)}
+                             for d, r in results.items()}, indent=2, sort_keys=True,
+                            default=str))
+            return
     for d, r in results.items():
         label = " (interpreter timings)" if r.interpreter else ""
         dflt = (f", {r.speedup_over_default:.2f}x over the default"

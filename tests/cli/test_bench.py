@@ -245,6 +245,42 @@ def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
     assert "[1/1] " in res.stderr and "[1/1]" not in res.stdout
 
 
+# A bench during whose timings the process itself and a process it starts write to stdout,
+# as Triton does when ptxas fails (it prints the whole PTX listing there).
+_NOISY_BENCH = """
+import subprocess, sys
+import flashtune.timing
+real = flashtune.timing.three_timings_interleaved
+def timed(fns, p, dev, **kw):
+    print("noise from the bench itself", flush=True)
+    subprocess.run([sys.executable, "-c", "print('noise from a child process')"], check=True)
+    return real(fns, p, dev, **kw)
+flashtune.timing.three_timings_interleaved = timed
+from flashtune.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_bench_json_stdout_is_the_document_alone_whatever_else_prints(tmp_path: Path) -> None:
+    """With --json, stdout carries the JSON document and nothing else, even where the bench
+    or a process it starts prints to stdout meanwhile; that output goes to stderr. (A
+    bench cut by a time limit mid-compile had Triton's PTX dump before its document.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _NOISY_BENCH, "bench", "--interpret", "--json",
+                        "--rep-ms", "1", "--shapes", _shapes(tmp_path),
+                        "--db", str(tmp_path / "none.db")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert [row["timing"] for row in doc["rows"]] == ["fwd", "bwd", "infer"]
+    assert "noise from the bench itself" in r.stderr
+    assert "noise from a child process" in r.stderr
+
+
 # A bench whose second shape never returns from its timings, with SIGTERM and SIGINT
 # blocked in the main thread: as a main thread waiting on the GPU for a hung kernel, it
 # never gets back to Python. (A signal that lands between "stuck" and the sleep still runs
