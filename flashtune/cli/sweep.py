@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from flashtune.cli._common import (
     console,
     db_option,
     fmt,
+    json_stdout,
     kernel_mode,
     search_options,
     shape_label,
@@ -263,8 +265,9 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
 
     restore = interrupt_on_sigterm()
     try:
-        _sweep(preset, shapes, from_misses, direction, trials, time_budget, gpus,
-               retry_failed, lease, interpret, db_url, as_json, from_stale)
+        with json_stdout(as_json) as emit:  # stdout: the summary document alone
+            _sweep(preset, shapes, from_misses, direction, trials, time_budget, gpus,
+                   retry_failed, lease, interpret, db_url, as_json, from_stale, emit)
     finally:
         restore()
 
@@ -272,7 +275,8 @@ def sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: 
 def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction: str,
            trials: int | None, time_budget: float | None, gpus: str | None,
            retry_failed: bool, lease: float, interpret: bool, db_url: str | None,
-           as_json: bool, from_stale: bool = False) -> None:
+           as_json: bool, from_stale: bool = False,
+           emit: Callable[[str], None] = click.echo) -> None:
     gpu_ids = _parse_gpus(gpus)
     interpreter = kernel_mode("sweep", interpret)
     if trials is None and time_budget is None and not interpreter:
@@ -323,7 +327,7 @@ def _sweep(preset: str | None, shapes: str | None, from_misses: bool, direction:
             interrupted, failures = _run(board, sid, opts, gpu_ids, interpreter,
                                          _Watch(url, sid, title, mode))
             tasks = board.tasks(sid)
-    _finish_sweep(sid, tasks, device, interpreter, as_json, interrupted, failures)
+    _finish_sweep(sid, tasks, device, interpreter, as_json, interrupted, failures, emit)
 
 
 def _run(board: Any, sid: str, opts: Any, gpu_ids: list[str], interpreter: bool,
@@ -380,12 +384,13 @@ def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) ->
 
 
 def _finish_sweep(sid: str, tasks: list[Any], device: Any, interpreter: bool, as_json: bool,
-                  interrupted: bool, failures: list[str]) -> None:
+                  interrupted: bool, failures: list[str],
+                  emit: Callable[[str], None] = click.echo) -> None:
     from flashtune.db.claims import counts
 
     n = counts(tasks)
     if as_json:
-        click.echo(json.dumps({
+        emit(json.dumps({
             "sweep_id": sid, "device": device.as_dict(), "interpreter": interpreter,
             "counts": n, "interrupted": interrupted,
             "tasks": [{"key": t.key.as_dict(), "problem": t.problem.as_dict(),
