@@ -6,6 +6,13 @@ orders, and a shape measured twice. CPU only: it reads files.
     autotune bench --preset standard --part 1/2 --json > a.json   # one job
     autotune bench --preset standard --part 2/2 --json > b.json   # another
     python3 benchmarks/merge_bench.py a.json b.json --out bench.json
+
+A part cut by a time limit keeps the shapes it measured whole; a later run finishes the
+set without measuring those again, and merges the same way:
+
+    autotune bench --preset standard --skip-measured a.json --skip-measured b.json \
+        --json > c.json
+    python3 benchmarks/merge_bench.py a.json b.json c.json --out bench.json
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from flashtune.cli._common import (
     fmt,
     json_stdout,
     kernel_mode,
+    read_input,
     shape_label,
     shape_options,
     shape_set,
@@ -376,12 +377,16 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @click.option("--clocks/--no-clocks", default=True, show_default=True,
               help="On a GPU, sample its SM clock, power and clock-limit reasons during each "
                    "timing (NVML) and give them in the --json rows.")
+@click.option("--skip-measured", "skip_docs", multiple=True, metavar="FILE",
+              help="Leave out the shapes that this `bench --json` document (of this device) "
+                   "measured; repeatable. Finishes a bench that a time limit cut: merge the "
+                   "documents with benchmarks/merge_bench.py.")
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
           warmup_ms: float, interpret: bool, interleave: bool, part: tuple[int, int] | None,
           precompile: bool, warm_flex: bool, impls: frozenset[str] | None, clocks: bool,
-          db_url: str | None, as_json: bool) -> None:
+          skip_docs: tuple[str, ...], db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
 
     TFLOP/s by the house protocol: training forward, backward ((fwd+bwd) - fwd) and
@@ -394,6 +399,14 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     """
     interpreter = kernel_mode("bench", interpret)
     _, problems = shape_set(preset, shapes, from_misses, db_url)
+    skipped = 0
+    if skip_docs:
+        from flashtune.db.fingerprint import device_info
+
+        problems, skipped = skip_measured(problems, skip_docs, device_info().name, interpreter)
+        if not problems:
+            raise click.UsageError(f"--skip-measured: the documents measured all {skipped} "
+                                   "shapes of the set; nothing is left to bench")
     if part is not None:
         total = len(problems)
         problems = Part.select(problems, *part)
@@ -438,7 +451,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         def stuck(signum: int) -> int:  # the main thread never answered the signal
             try:
                 _report(list(rows), list(errors), len(problems), meta, as_json,
-                        interrupted=True, emit=emit)
+                        interrupted=True, emit=emit, skipped=skipped)
             except click.ClickException as e:
                 e.show()
             return 128 + signum
@@ -466,18 +479,20 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                     interrupted = True
         finally:
             restore()
-        done = _report(rows, errors, len(problems), meta, as_json, interrupted, emit)
+        done = _report(rows, errors, len(problems), meta, as_json, interrupted, emit,
+                       skipped)
     if not done:
         sys.exit(interrupted_status())
 
 
 def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dict[str, Any],
             as_json: bool, interrupted: bool,
-            emit: Callable[[str], None] = click.echo) -> bool:
+            emit: Callable[[str], None] = click.echo, skipped: int = 0) -> bool:
     """Print the rows (a table, or one JSON document with ``as_json``, through ``emit``:
     see :func:`json_stdout`; it holds ``meta``: device, software, interpreter), the
     geomeans and the errors; False when interrupted (the command then exits with the
-    signal's status). A ClickException when nothing at all was measured."""
+    signal's status). A ClickException when nothing at all was measured. ``total`` counts
+    the shapes this run set out to measure, ``skipped`` those --skip-measured left out."""
     done = len(rows) // 3  # three timings (rows) per shape measured
     if interrupted:
         click.echo(f"interrupted: {done} of {total} shapes measured; the results "
@@ -497,7 +512,9 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
             **meta,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "rows": rows, "geomean_ratios": summary, "errors": errors,
-            "shapes": {"measured": done, "total": total}, "interrupted": interrupted},
+            "shapes": {"measured": done, "total": total,
+                       **({"skipped": skipped} if skipped else {})},
+            "interrupted": interrupted},
             indent=2, sort_keys=True, default=str))
     else:
         console().print(_bench_table(rows, meta["interpreter"]))
@@ -508,6 +525,38 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
         for e in errors:
             click.echo(f"skipped {e}", err=True)
     return not interrupted
+
+
+def skip_measured(problems: list[Any], paths: tuple[str, ...], device: str,
+                  interpreter: bool) -> tuple[list[Any], int]:
+    """``problems`` less those measured (whole: a document holds a shape's three rows or
+    none) in the ``bench --json`` documents at ``paths``, and how many were left out. A
+    document that is not a bench's, or was measured on another device (or the other side
+    of the interpreter), is a BadParameter: a bench is of one device."""
+    from flashtune.cli.report import validate_bench
+    from flashtune.problem import Problem
+
+    hint = "'--skip-measured'"
+    done: set[Any] = set()
+    for path in paths:
+        try:
+            doc = validate_bench(json.loads(read_input(path, "a bench document")))
+            measured = {Problem.from_dict(r["problem"]) for r in doc["rows"]
+                        if r["timing"] == "fwd"}
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise click.BadParameter(f"{path}: not an `autotune bench --json` document "
+                                     f"({str(e)[:200]})", param_hint=hint) from None
+        name = (doc.get("device") or {}).get("name")
+        if name != device:
+            raise click.BadParameter(f"{path} was measured on {name}, this bench runs on "
+                                     f"{device}; one bench is of one device", param_hint=hint)
+        if doc.get("interpreter") is not interpreter:
+            theirs, ours = ("under", "without") if interpreter is False else ("without", "under")
+            raise click.BadParameter(f"{path} was measured {theirs} Triton's interpreter, "
+                                     f"this bench runs {ours} it", param_hint=hint)
+        done |= measured
+    kept = [p for p in problems if p not in done]
+    return kept, len(problems) - len(kept)
 
 
 def geomean_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -538,14 +587,19 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     twice = sorted({s for s in shapes if shapes.count(s) > 1})
     if twice:
         raise ValueError(f"shapes measured in more than one part: {twice}")
+    measured = sum(d["shapes"]["measured"] for d in docs)
+    # A run with --skip-measured set out to measure the shapes the others did not (its
+    # "skipped"): the union counts each shape once.
+    total = max(measured, sum(d["shapes"]["total"] - d["shapes"].get("skipped", 0)
+                              for d in docs))
     return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "impls",
                                      "warmup_ms", "rep_ms", "clocks") if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),
             "errors": [e for d in docs for e in d.get("errors", [])],
-            "shapes": {"measured": sum(d["shapes"]["measured"] for d in docs),
-                       "total": sum(d["shapes"]["total"] for d in docs)},
-            "interrupted": any(d.get("interrupted") for d in docs),
+            "shapes": {"measured": measured, "total": total},
+            # Cut parts that a --skip-measured run finished make a whole bench.
+            "interrupted": measured < total,
             "parts": [d.get("part") for d in docs]}
 
 

@@ -752,3 +752,57 @@ def _bench_on_a_gpu(tmp_path: Path, shape: dict, *args: str):  # type: ignore[no
                                     str(shapes), "--db", str(tmp_path / "none.db")])
     assert res.exit_code == 0, res.output
     return res
+
+
+def test_skip_measured_finishes_a_cut_bench_and_merges_into_one(tmp_path: Path) -> None:
+    """--skip-measured leaves out the shapes a document of this device measured; merged
+    with it, the result is one bench of the whole set, each shape once."""
+    from flashtune.cli.bench import merge_parts
+
+    first = tmp_path / "first.json"
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    # As a part a time limit cut after its first shape of two.
+    first.write_text(json.dumps({**json.loads(res.stdout), "interrupted": True,
+                                 "shapes": {"measured": 1, "total": 2}}))
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(TINY + [dict(TINY[0], seqlen=48)]))
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", str(both), "--skip-measured", str(first),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    rest = json.loads(res.stdout)
+    assert {r["problem"]["seqlen_q"] for r in rest["rows"]} == {48}
+    assert rest["shapes"] == {"measured": 1, "total": 1, "skipped": 1}
+    merged = merge_parts([json.loads(first.read_text()), rest])
+    assert [r["problem"]["seqlen_q"] for r in merged["rows"] if r["timing"] == "fwd"] == [64, 48]
+    assert merged["shapes"] == {"measured": 2, "total": 2} and merged["interrupted"] is False
+    cut = merge_parts([json.loads(first.read_text())])
+    assert cut["shapes"] == {"measured": 1, "total": 2} and cut["interrupted"] is True
+
+
+def test_skip_measured_refuses_another_device_garbage_and_an_empty_rest(
+        tmp_path: Path) -> None:
+    doc = tmp_path / "doc.json"
+    res = CliRunner().invoke(main, ["bench", "--interpret", "--json", "--rep-ms", "1",
+                                    "--shapes", _shapes(tmp_path),
+                                    "--db", str(tmp_path / "none.db")])
+    assert res.exit_code == 0, res.output
+    doc.write_text(res.stdout)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(res.stdout), "device": {"name": "NVIDIA H200"}}))
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"rows": [{"shape": 1}]}')
+    base = ["bench", "--interpret", "--json", "--rep-ms", "1", "--shapes", _shapes(tmp_path),
+            "--db", str(tmp_path / "none.db"), "--skip-measured"]
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({**json.loads(res.stdout), "interpreter": False}))
+    for path, says in ((other, "was measured on NVIDIA H200, this bench runs on cpu"),
+                       (gpu, "measured without Triton's interpreter, this bench runs under"),
+                       (garbage, "not an `autotune bench --json` document (rows[0].shape"),
+                       (doc, "the documents measured all 1 shapes of the set")):
+        res = CliRunner().invoke(main, [*base, str(path)])
+        assert res.exit_code == 2 and says in res.stderr, res.output
+        assert "Traceback" not in res.output and res.stdout == ""
