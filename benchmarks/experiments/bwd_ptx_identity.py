@@ -11,27 +11,44 @@ Each backward entry of ``flashtune/data/shipped.json`` (or ``--variant`` only) i
 sm_90 through ``bwd_steps`` (the tuner's launch path) on CPU tensors of the entry's own
 example shape, with the compile-only driver of ``benchmarks/probe_ptxas.py`` and 132 SMs
 (H100 SXM and H200 alike); the output maps the entry's index to the sha256 of each
-kernel's PTX.
+kernel's PTX: the code and its line info, without the debug sections and with the tree's
+path as ``<tree>`` (``code``), so that two trees at two paths compare. Each run builds into
+a Triton cache of its own: with one shared cache, the second tree's builds were the first
+one's, loaded (the cache key holds no path), and proved only that the keys agree.
 
     PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
         benchmarks/experiments/bwd_ptx_identity.py --out ptx.json [--variant 3]
 
 ``--sass`` fingerprints each kernel's machine code instead: the SASS that Triton's own
-``cuobjdump`` prints from the cubin it built, which carries no line info. Equal SASS is the
+``cuobjdump`` prints from the cubin it built, which carries no line info. Equal SASS was the
 proof for an edit that moves lines in a kernel module (each kernel's PTX then differs in
 its ``.loc`` directives only, and those do not reach the machine code) or that changes
-code the entries do not compile (a ``constexpr`` branch they do not take).
+code the entries do not compile (a ``constexpr`` branch they do not take). ``--no-lines``
+proves the same from the PTX without its line info, and is the better proof: the ptxas
+of Triton 3.6 (12.8) does not always give the same machine code for the same PTX: on the
+Hopper backward's large D=128 kernels three builds of one PTX gave three schedules
+(session 38). A SASS difference between fresh builds there is no proof of a change.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 
-import torch
-from probe_ptxas import BUILT_CUBIN, BUILT_PTX, _install_compile_only
+# A Triton cache of this run's own (unless TRITON_CACHE_DIR names one), so that each tree's
+# code is built, not loaded: the two trees' builds share cache keys (the source path is not
+# in them), and a shared cache answers for the second tree with the first one's build.
+if "TRITON_CACHE_DIR" not in os.environ:
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptx-identity-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], True)
+
+import torch  # noqa: E402
+from probe_ptxas import BUILT_CUBIN, BUILT_PTX, _install_compile_only  # noqa: E402
 
 _install_compile_only()
 
@@ -41,6 +58,21 @@ from flashtune.kernels.attn_bwd import bwd_steps  # noqa: E402
 from flashtune.kernels.attn_fwd import attn_fwd  # noqa: E402
 from flashtune.kernels.config import config_from_dict  # noqa: E402
 from flashtune.problem import default_scale  # noqa: E402
+
+# The tree's own path appears in the PTX (its .file directives, and byte by byte in the
+# DWARF sections after the code): code() reads the PTX without both.
+TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(FH.__file__))))
+
+
+def code(ptx: str, lines: bool = True) -> str:
+    """``ptx`` up to its debug sections, the tree's path as ``<tree>``: all of the code
+    and, with ``lines``, its line info (``.loc``, ``.file``), none of where the tree
+    lies."""
+    out = ptx.split("\n\t.section\t.debug", 1)[0].replace(TREE, "<tree>")
+    if not lines:
+        out = "\n".join(ln for ln in out.split("\n")
+                        if not ln.lstrip().startswith((".loc", ".file")))
+    return out
 
 H._sm_count = lambda index: 132
 FH._sm_count = lambda index: 132
@@ -69,6 +101,9 @@ def main() -> None:
     ap.add_argument("--shipped", default=os.path.join("flashtune", "data", "shipped.json"))
     ap.add_argument("--sass", action="store_true",
                     help="fingerprint the SASS of each kernel's cubin, not its PTX")
+    ap.add_argument("--no-lines", action="store_true",
+                    help="leave the PTX's line info (.loc, .file) out of its fingerprint: "
+                         "for an edit that moves lines in a kernel module")
     ap.add_argument("--direction", choices=("bwd", "fwd", "both"), default="bwd",
                     help="the entries to build (fwd: through attn_fwd)")
     args = ap.parse_args()
@@ -103,7 +138,7 @@ def main() -> None:
             out[str(i)] = {name: hashlib.sha256(sass(cubin).encode()).hexdigest()
                            for name, cubin in sorted(BUILT_CUBIN.items())}
         else:
-            out[str(i)] = {name: hashlib.sha256(ptx.encode()).hexdigest()
+            out[str(i)] = {name: hashlib.sha256(code(ptx, not args.no_lines).encode()).hexdigest()
                            for name, ptx in sorted(BUILT_PTX.items())}
         print(i, e["direction"], e["device"]["name"], cfg.variant, f"{b}x{hq}/{hk}x{sq}x{d}",
               "causal" if x["causal"] else "", sorted(BUILT_PTX), flush=True)

@@ -9,7 +9,10 @@ re-searched on it). This takes, per old hash, the SASS fingerprints of the expor
 built on the tree those entries were tuned on, and the fingerprints of the same entries
 built on the running tree (``bwd_ptx_identity.py --sass --direction both``, all on the same
 file, so that the entry indices agree), and rewrites ``software.kernels_hash`` to the
-running tree's hash of the entry's direction wherever the two agree. An entry whose
+running tree's hash of the entry's direction wherever the two agree. (PTX fingerprints, the
+script's default, serve as well and better: since session 38 they are built fresh and
+compare two trees at two paths, while the ptxas of Triton 3.6 does not always schedule one
+PTX the same way twice.) An entry whose
 fingerprints differ keeps its old hash (stale, never served; ``autotune sweep --from-stale``
 re-tunes it on its device from its winner). Entries already under the running tree's
 hashes are left alone; an entry under an old hash without fingerprints stops the run.
