@@ -550,10 +550,11 @@ def skip_measured(problems: list[Any], paths: tuple[str, ...], device: str,
         if name != device:
             raise click.BadParameter(f"{path} was measured on {name}, this bench runs on "
                                      f"{device}; one bench is of one device", param_hint=hint)
-        if doc.get("interpreter") is not interpreter:
-            theirs, ours = ("under", "without") if interpreter is False else ("without", "under")
-            raise click.BadParameter(f"{path} was measured {theirs} Triton's interpreter, "
-                                     f"this bench runs {ours} it", param_hint=hint)
+        if bool(doc.get("interpreter")) != interpreter:
+            how = {True: "under", False: "without"}
+            raise click.BadParameter(
+                f"{path} was measured {how[not interpreter]} Triton's interpreter, this bench "
+                f"runs {how[interpreter]} it", param_hint=hint)
         done |= measured
     kept = [p for p in problems if p not in done]
     return kept, len(problems) - len(kept)
