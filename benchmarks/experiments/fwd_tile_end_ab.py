@@ -70,8 +70,7 @@ def where_differs(o0: torch.Tensor, o1: torch.Tensor, l0: torch.Tensor, l1: torc
         out["first"] = [int(x) for x in idx[0]]
         within = (idx[:, 2] % block_m).tolist()
         out["within_tile"] = {"min": min(within), "max": max(within)}
-        out["tiles"] = int((idx[:, 0] * 1_000_000 + idx[:, 1] * 10_000
-                            + idx[:, 2] // block_m).unique().numel())
+        out["tiles"] = len({(b, h, r // block_m) for b, h, r in idx.tolist()})
     return out
 
 
