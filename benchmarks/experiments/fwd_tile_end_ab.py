@@ -18,7 +18,9 @@ gain, and writes JSON.
 A variant whose outputs differ is not timed; its row records where they differ
 (``where_differs``). ``--knobs`` picks the knobs, ``--check-only`` skips the timing, so
 that one knob's check can run under ``compute-sanitizer`` (session 38: ``tile_overlap``
-differed on the first shape and hit an illegal address on the next):
+differed on the first shape and hit an illegal address on the next; session 39 found
+there an out-of-range shared address in a QK^T that ptxas 12.8 had built with a Q
+descriptor it computed in another branch only, and gave the QK^T one issue site):
 
     timeout -k 10 500 compute-sanitizer --tool memcheck python3 \
         benchmarks/experiments/fwd_tile_end_ab.py --knobs tile_overlap --check-only \
@@ -55,11 +57,11 @@ KNOBS = ["defer_o", "tile_overlap"]  # --knobs narrows it
 
 def where_differs(o0: torch.Tensor, o1: torch.Tensor, l0: torch.Tensor, l1: torch.Tensor,
                   block_m: int) -> dict[str, Any]:
-    """Where a variant's O (B, S, H, D) and LSE (B, H, S) leave the serial config's: how
+    """Where a variant's O (B, H, S, D) and LSE (B, H, S) leave the serial config's: how
     many (batch, head, row) rows differ in each, the largest O difference, the first such
     row, and the rows' positions within their query tile (``block_m``), to tell a slip at
     a tile's end from one spread over the tile."""
-    o_bad = (o0 != o1).any(-1).permute(0, 2, 1)  # (B, H, S)
+    o_bad = (o0 != o1).any(-1)  # (B, H, S): SDPA's layout, as make_inputs gives
     l_bad = (l0 != l1) & ~(l0.isinf() & l1.isinf() & (l0 == l1))
     bad = o_bad | l_bad
     idx = bad.nonzero()

@@ -218,6 +218,8 @@ def overlapped(w: World, cid: int) -> Step:
                 w.q_busy[slot_o] = False
                 w.q_empty[slot_o].arrive()
             else:
+                # The kernel's PV runs here too, on whatever its buffers hold, and is
+                # dropped (it waits for no barrier): no read to check.
                 yield from me.take_turn()
                 me.read_q(q_slot, t)
                 me.read_k(kv)

@@ -493,35 +493,32 @@ def _consumer_overlapped(cid: gl.constexpr, q_smem, k_smem, v_smem,
         if n_iters > 0:
             buf = kv_count % STAGES
             mbarrier.wait(k_full.index(buf), (kv_count // STAGES) & 1)
+            # One turn: the open tile's last PV, then this tile's first QK^T, each issued
+            # at one site. With no tile open the PV runs all the same, on whatever P and V
+            # its buffers hold, and its result is dropped: Gluon lets no product in flight
+            # leave an `if`, and with the QK^T written once per branch, ptxas 12.8 (Triton
+            # 3.6's) hoisted the second k-step's Q descriptor out of the open branch and
+            # read it undefined in the other (an out-of-range shared address, session 39).
+            obuf = cnt_o % STAGES
             if has_open:
-                # One turn: the open tile's last PV, then this tile's first QK^T.
-                obuf = cnt_o % STAGES
                 mbarrier.wait(v_full.index(obuf), (cnt_o // STAGES) & 1)
-                if PINGPONG:
-                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
-                acc_o = warpgroup_mma(p16_o, v_smem.index(obuf), acc_o, is_async=True)
-                s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - cid), count=1)
-                    turns += 1
-                # The PV (issued first) completes; the QK^T runs on while the open tile ends.
-                acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o, ))
+            if PINGPONG:
+                mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
+            acc_o = warpgroup_mma(p16_o, v_smem.index(obuf), acc_o, is_async=True)
+            s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - cid), count=1)
+                turns += 1
+            # The PV (issued first) completes; the QK^T runs on while the open tile ends.
+            acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o, ))
+            if has_open:
                 mbarrier.arrive(v_empty.index(obuf), count=1)
                 _finish_tile(acc_o, m_o, l_o, q_smem.index(slot_o), desc_o, LSE, bh_o, row0_o,
                              heads_q, seq_q, o_layout, row_s)
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty.index(slot_o), count=1)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            else:
-                if PINGPONG:
-                    mbarrier.wait(turn.index(cid), (turns & 1) ^ (1 - cid))
-                s = warpgroup_mma(q, k_smem.index(buf).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - cid), count=1)
-                    turns += 1
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             mbarrier.arrive(k_empty.index(buf), count=1)
             m_i = gl.full([64], -float("inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([64], gl.float32, layout=row_s)

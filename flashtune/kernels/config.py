@@ -396,13 +396,17 @@ def hopper_producer_regs(consumers: int, consumer_regs: int) -> int:
     return budget // 128 // 8 * 8
 
 
-# Knobs whose kernel code has not passed its GPU checks: a barrier slip in it would hang the
-# kernel. Refused (so never searched, stored or dispatched) unless UNVERIFIED_ENV is set, as
-# their GPU tests and A/B scripts do; a knob leaves this list once its GPU checks pass.
-# defer_o left it in session 38 (bit-identical to the serial consumer on every shape of the
-# standard matrix on the H200; BENCHMARKS.md, issue 12). tile_overlap failed there: its
-# outputs differed from the serial consumer's, and a later shape hit an illegal address.
-UNVERIFIED_KNOBS = ("tile_overlap",)
+# Knobs refused by default (so never searched, stored or dispatched), each with its reason:
+# kernel code that has not passed its GPU checks (a barrier slip in it would hang the
+# kernel), or that passed them and measured slower than without it. Their GPU tests and A/B
+# scripts reach them by setting UNVERIFIED_ENV. defer_o left this list in session 38
+# (bit-identical to the serial consumer on the standard matrix on the H200, and faster;
+# BENCHMARKS.md, issue 12).
+UNVERIFIED_KNOBS = {
+    "tile_overlap": "is correct (bit-identical to tile_overlap=0 on the H200 since session "
+                    "39) but ran 0.97x as fast as without it on the standard matrix up to "
+                    "S=2048 (BENCHMARKS.md, issue 12)",
+}
 UNVERIFIED_ENV = "FLASHTUNE_UNVERIFIED_KNOBS"
 
 
@@ -469,11 +473,11 @@ def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"fwd hopper: ~{regs + margin:.0f} registers per consumer thread exceed "
             f"consumer_regs={c.consumer_regs}")
-    for name in UNVERIFIED_KNOBS:
+    for name, why in UNVERIFIED_KNOBS.items():
         if getattr(c, name) and not flag(UNVERIFIED_ENV):
             raise InfeasibleConfigError(
-                f"fwd hopper: {name}=1 has not yet run on a GPU (set {UNVERIFIED_ENV}=1 to "
-                f"try it)")
+                f"fwd hopper: {name}=1 is refused: it {why} (allowed: {name}=0; set "
+                f"{UNVERIFIED_ENV}=1 to try it)")
     reason = hopper_support()
     if reason:
         raise InfeasibleConfigError(f"fwd hopper: {reason}")
