@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import sys
@@ -37,10 +36,10 @@ from flashtune.autotune.tuner import ANCHORED_ROUNDS, anchored_request
 from flashtune.db.exchange import _dump
 from flashtune.kernels.config import (
     HOPPER,
+    _defer_o,
     config_from_dict,
     config_to_dict,
     default_config,
-    is_feasible,
 )
 from flashtune.problem import Problem
 
@@ -72,8 +71,7 @@ def main() -> None:
             d, p = e["direction"], Problem.from_dict(e["example"])
             c = config_from_dict(d, e["config"])
             if args.defer_o and d == "fwd" and c.variant == HOPPER:
-                on = dataclasses.replace(c, defer_o=1)
-                c = on if is_feasible(on, p)[0] else c
+                c = _defer_o(c, p)  # as default_fwd takes it
             winner = config_to_dict(c)
             dflt = config_to_dict(default_config(d, p))
             configs = [winner] + ([dflt] if dflt != winner else [])
