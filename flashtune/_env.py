@@ -7,7 +7,7 @@ run time); nothing here imports torch or triton at module level.
   "on", any case), so flashtune and Triton always agree on whether the interpreter runs.
 - ``FLASHTUNE_DB``: :func:`database_url` (None when unset or empty).
 - ``FLASHTUNE_STRICT``, ``FLASHTUNE_TUNE_ON_MISS``, ``FLASHTUNE_DIST_SYNC``,
-  ``FLASHTUNE_UNVERIFIED_KNOBS`` (``kernels.config.UNVERIFIED_KNOBS``): :func:`flag`.
+  ``FLASHTUNE_UNVERIFIED_KNOBS`` (``kernels.config.REFUSED_KNOBS``): :func:`flag`.
 - ``FLASHTUNE_TUNE_TRIALS``, ``FLASHTUNE_DIST_TIMEOUT``, ``FLASHTUNE_SIGNAL_GRACE``:
   :func:`number`.
 """

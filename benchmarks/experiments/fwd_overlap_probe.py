@@ -30,7 +30,7 @@ from typing import Any
 
 from flashtune.kernels.config import UNVERIFIED_ENV
 
-os.environ[UNVERIFIED_ENV] = "1"  # tile_overlap is refused otherwise (config.UNVERIFIED_KNOBS)
+os.environ[UNVERIFIED_ENV] = "1"  # tile_overlap is refused otherwise (config.REFUSED_KNOBS)
 
 BASE = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "maxnreg": 0,
         "use_tma": 0, "variant": 1, "consumer_regs": 240, "persistent": 1, "tile_order": 0,
@@ -55,7 +55,7 @@ def one(b: int, h: int, s: int, d: int, causal: bool, fields: dict[str, int]) ->
         torch.cuda.synchronize()  # an illegal address is this variant's
     (o0, l0), (o1, l1) = outs
     o_bad = (o0 != o1).any(-1)  # (B, H, S)
-    l_bad = (l0 != l1) & ~(l0.isinf() & l1.isinf() & (l0 == l1))
+    l_bad = l0 != l1  # +inf (rows that see no key) equals +inf
     idx = (o_bad | l_bad).nonzero()
     r: dict[str, Any] = {"o_rows": int(o_bad.sum()), "lse_rows": int(l_bad.sum()),
                          "rows": o_bad.numel()}

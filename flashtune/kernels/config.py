@@ -399,10 +399,10 @@ def hopper_producer_regs(consumers: int, consumer_regs: int) -> int:
 # Knobs refused by default (so never searched, stored or dispatched), each with its reason:
 # kernel code that has not passed its GPU checks (a barrier slip in it would hang the
 # kernel), or that passed them and measured slower than without it. Their GPU tests and A/B
-# scripts reach them by setting UNVERIFIED_ENV. defer_o left this list in session 38
-# (bit-identical to the serial consumer on the standard matrix on the H200, and faster;
-# BENCHMARKS.md, issue 12).
-UNVERIFIED_KNOBS = {
+# scripts reach them by setting UNVERIFIED_ENV (named when the list held only knobs not yet
+# run on a GPU). defer_o left this list in session 38 (bit-identical to the serial
+# consumer on the standard matrix on the H200, and faster; BENCHMARKS.md, issue 12).
+REFUSED_KNOBS = {
     "tile_overlap": "is correct (bit-identical to tile_overlap=0 on the H200 since session "
                     "39) but ran 0.97x as fast as without it on the standard matrix up to "
                     "S=2048 (BENCHMARKS.md, issue 12)",
@@ -473,7 +473,7 @@ def _check_fwd_hopper(c: FwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"fwd hopper: ~{regs + margin:.0f} registers per consumer thread exceed "
             f"consumer_regs={c.consumer_regs}")
-    for name, why in UNVERIFIED_KNOBS.items():
+    for name, why in REFUSED_KNOBS.items():
         if getattr(c, name) and not flag(UNVERIFIED_ENV):
             raise InfeasibleConfigError(
                 f"fwd hopper: {name}=1 is refused: it {why} (allowed: {name}=0; set "

@@ -129,7 +129,7 @@ def _tile_end_knobs(seed: int) -> list[str]:
     ``tile_overlap=1`` only what runs beside a tile's end: each config's outputs equal the
     serial one's bit for bit, on persistent grids that walk many tiles, including tiles
     whose rows see no key (Sq > Sk, causal) and short rows. (``tile_overlap`` is refused
-    outside tests, ``config.UNVERIFIED_KNOBS`` says why: this child process lets it in.)"""
+    outside tests, ``config.REFUSED_KNOBS`` says why: this child process lets it in.)"""
     import dataclasses
     import os
 

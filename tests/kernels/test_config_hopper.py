@@ -95,7 +95,7 @@ def test_hopper_rules_reject_with_reason(on_hopper: None, change: dict, problem_
         check_fwd(dataclasses.replace(HOP, **change), dataclasses.replace(P128, **problem_change))
 
 
-@pytest.mark.parametrize("knob", config.UNVERIFIED_KNOBS)
+@pytest.mark.parametrize("knob", config.REFUSED_KNOBS)
 def test_refused_knobs_are_refused_unless_asked_for(
         on_hopper: None, monkeypatch: pytest.MonkeyPatch, knob: str) -> None:
     """A knob whose kernel code has not passed its GPU checks, or measured slower, is never
@@ -103,7 +103,7 @@ def test_refused_knobs_are_refused_unless_asked_for(
     it, and the refusal says why."""
     cfg = dataclasses.replace(HOP, persistent=1, **{knob: 1})
     monkeypatch.delenv(config.UNVERIFIED_ENV, raising=False)
-    why = re.escape(config.UNVERIFIED_KNOBS[knob])
+    why = re.escape(config.REFUSED_KNOBS[knob])
     with pytest.raises(InfeasibleConfigError, match=f"{knob}=1 is refused: it {why}"):
         check_fwd(cfg, P128)
     monkeypatch.setenv(config.UNVERIFIED_ENV, "1")
