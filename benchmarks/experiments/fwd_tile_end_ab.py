@@ -122,14 +122,22 @@ def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], timed: bool = True,
         row["bases"][base] = info
     if not timed:
         return row
+    row["ms"] = beside_cudnn(p, (q, k, v), names, fns, rep_ms)
+    return row
+
+
+def beside_cudnn(p: Problem, qkv: tuple[torch.Tensor, ...], names: list[str], fns: list[Any],
+                 rep_ms: float) -> dict[str, float]:
+    """Median ms of each of ``fns`` (by ``names``) and of cuDNN's forward on the same
+    inputs (where SDPA has it), in one interleaved loop (house protocol), no grad."""
     cudnn = anchors(p, ("cudnn",)).get("cudnn")
+    names, fns = list(names), list(fns)
     if cudnn is not None:
         names.append("cudnn")
-        fns.append(lambda: cudnn(q, k, v))
+        fns.append(lambda: cudnn(*qkv))
     with torch.no_grad():
         ts = time_interleaved(fns, rep_ms=rep_ms, rounds=3)
-    row["ms"] = {n: t.median_ms for n, t in zip(names, ts, strict=True)}
-    return row
+    return {n: t.median_ms for n, t in zip(names, ts, strict=True)}
 
 
 def main() -> None:
