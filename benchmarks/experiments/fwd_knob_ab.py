@@ -1,5 +1,6 @@
 """A Hopper forward knob A/B (issue 12): the shipped config and the default, each with
-``--knob`` at each of ``--values``, judged, then timed beside cuDNN.
+``--knob`` at each of ``--values`` (or with each of ``--variants``' sets of fields), judged,
+then timed beside cuDNN.
 
 Session 40 ran it for ``exp2_fma`` (one in every N of the softmax's exponentials computed by
 a polynomial on the FMA units instead of MUFU.EX2; ``fwd_exp2_fma.patch``, not landed) and
@@ -53,27 +54,29 @@ from flashtune.problem import Problem  # noqa: E402
 from flashtune.timing import make_inputs, standard_matrix  # noqa: E402
 
 
-def variants(p: Problem, bases: tuple[str, ...], knob: str, values: tuple[int, ...],
-             ) -> dict[str, dict[int, Any]]:
-    """{base: {value: config with knob=value}} for the shipped config and the default
-    (where it differs), each value where it is feasible; the first value is the baseline."""
-    out: dict[str, dict[int, Any]] = {}
+def variants(p: Problem, bases: tuple[str, ...], sets: dict[str, dict[str, int]],
+             ) -> dict[str, dict[str, Any]]:
+    """{base: {name: config with the fields of sets[name]}} for the shipped config and the
+    default (where it differs), each where it is feasible; the first set is the baseline."""
+    out: dict[str, dict[str, Any]] = {}
+    first = next(iter(sets))
     for name, c in (("shipped", shipped_config(p, torch.cuda.get_device_name())),
                     ("default", default_fwd(p))):
         if name not in bases or c is None or c.variant != HOPPER:
             continue
-        got = {n: dataclasses.replace(c, **{knob: n}) for n in values}
+        got = {n: dataclasses.replace(c, **fields) for n, fields in sets.items()}
         got = {n: c for n, c in got.items() if is_feasible(c, p)[0]}
-        if values[0] not in got or any(v.get(values[0]) == got[values[0]] for v in out.values()):
+        if first not in got or any(v.get(first) == got[first] for v in out.values()):
             continue
         out[name] = got
     return out
 
 
-def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], knob: str, values: tuple[int, ...],
+def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], sets: dict[str, dict[str, int]],
          ) -> dict[str, Any]:
     row: dict[str, Any] = {"label": _label(p), "problem": p.as_dict(), "bases": {}}
-    got = variants(p, bases, knob, values)
+    got = variants(p, bases, sets)
+    first = next(iter(sets))
     if not got:
         row["skipped"] = "no Hopper config"
         return row
@@ -83,14 +86,13 @@ def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], knob: str, values: t
     names: list[str] = []
     fns: list[Any] = []
     for base, cfgs in got.items():
-        info: dict[str, Any] = {"config": dataclasses.asdict(cfgs[values[0]]), "gate": {}}
-        o0, l0 = flash_attention(q, k, v, causal=p.causal, return_lse=True,
-                                 config=cfgs[values[0]])
+        info: dict[str, Any] = {"config": dataclasses.asdict(cfgs[first]), "gate": {}}
+        o0, l0 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=cfgs[first])
         for n, c in cfgs.items():
             cmp = gate.check(c)
             torch.cuda.synchronize()
             info["gate"][n] = {"ok": cmp.ok, "ratio": cmp.ratio, "errors": cmp.errors}
-            if n != values[0]:
+            if n != first:
                 o1, l1 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=c)
                 fin = torch.isfinite(l0)
                 info.setdefault("vs_mufu", {})[n] = {
@@ -109,25 +111,35 @@ def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], knob: str, values: t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--knob", required=True, help="a FwdConfig field")
-    ap.add_argument("--values", required=True, help="comma-separated; the first is the base")
+    ap.add_argument("--knob", help="a FwdConfig field, with --values")
+    ap.add_argument("--values", help="comma-separated; the first is the baseline")
+    ap.add_argument("--variants", help="instead of --knob: 'name:field=v,field=v;...', each "
+                                       "applied to the base config; 'base' (unchanged) first")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--max-seq", type=int, default=16384)
+    ap.add_argument("--min-seq", type=int, default=1)
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--bases", default="shipped,default")
     args = ap.parse_args()
     dims = {int(x) for x in args.head_dims.split(",")}
     bases = tuple(args.bases.split(","))
-    values = tuple(int(x) for x in args.values.split(","))
-    doc: dict[str, Any] = {"environment": environment(), "knob": args.knob, "values": values,
-                           "rows": []}
+    if args.variants:
+        sets: dict[str, dict[str, int]] = {"base": {}}
+        for spec in args.variants.split(";"):
+            name, fields = spec.split(":")
+            sets[name] = {f: int(x) for f, x in (kv.split("=") for kv in fields.split(","))}
+    elif args.knob and args.values:
+        sets = {x: {args.knob: int(x)} for x in args.values.split(",")}
+    else:
+        ap.error("give --knob and --values, or --variants")
+    doc: dict[str, Any] = {"environment": environment(), "sets": sets, "rows": []}
     for p in standard_matrix():
-        if p.head_dim not in dims or p.seqlen_q > args.max_seq \
+        if p.head_dim not in dims or not args.min_seq <= p.seqlen_q <= args.max_seq \
                 or (args.causal == "yes" and not p.causal) \
                 or (args.causal == "no" and p.causal):
             continue
-        row = scan(p, args.rep_ms, bases, args.knob, values)
+        row = scan(p, args.rep_ms, bases, sets)
         doc["rows"].append(row)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -139,15 +151,15 @@ def main() -> None:
                if not g["ok"]]
         print(f"{row['label']:<28} " + " ".join(cells) + (f"  FAILED {bad}" if bad else ""),
               flush=True)
-    # Geomean of each value's speed over the first's, per base.
-    b0 = values[0]
+    # Geomean of each set's speed over the first's, per base.
+    b0, *rest = sets
     for base in bases:
-        for n in values[1:]:
+        for n in rest:
             r = [row["ms"][f"{base}:{b0}"] / row["ms"][f"{base}:{n}"] for row in doc["rows"]
                  if f"{base}:{n}" in row.get("ms", {}) and f"{base}:{b0}" in row.get("ms", {})]
             if r:
                 g = math.exp(sum(map(math.log, r)) / len(r))
-                print(f"{base} {args.knob}={n}: {g:.4f}x over {b0} ({len(r)} shapes, "
+                print(f"{base} {n}: {g:.4f}x over {b0} ({len(r)} shapes, "
                       f"{min(r):.3f}-{max(r):.3f})")
 
 

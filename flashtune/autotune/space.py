@@ -51,15 +51,23 @@ Config = FwdConfig | BwdConfig
 #   searches ended on caps of 168-255 on 5 of 8 problems (one at +2.5% over a 12 s
 #   search that never left 0), while a forward one ran 7% faster at 128 than at 0
 #   (BENCHMARKS.md, issue 17).
-UNORDERED = frozenset({"variant", "tile_order", "maxnreg"})
+# - the Hopper forward's consumer registers: two and three consumer warpgroups take
+#   disjoint counts (216-240 and 152-160), so no single step in the declared order
+#   crosses between them.
+UNORDERED = frozenset({"variant", "tile_order", "maxnreg", "consumer_regs"})
 # Fields whose effects depend on each other, so that moving both at once is one step
 # (:meth:`SearchSpace.neighbours`): the tile order means another walk on a persistent grid
 # (each SM's tiles) than on one program per tile (the launch order). On the H200 a causal
 # forward (B16 H16 S1000 D128) ran 2.1% faster on a persistent grid in order 2 than a 12 s
 # search's winner (one program per tile, order 1), and each move alone was slower in its
 # trials (+3% and +15%), so that search, stepping one field at a time, never tried it
-# (BENCHMARKS.md, issue 17).
-COUPLED = (("persistent", "tile_order"),)
+# (BENCHMARKS.md, issue 17). The Hopper forward's query rows and consumer registers: a
+# third consumer warpgroup (block_m 128 -> 192) is feasible only at 152-160 registers,
+# and two consumers only above them, so neither field can move alone between two and
+# three consumers. Without the pair no search tried three consumers on the H200's
+# unmasked D=64 rows (session 40's sweep: 0 of 334 trials), where they ran 1.10-1.18x as
+# fast as the shipped two-consumer configs at S >= 2048 (BENCHMARKS.md, issue 12).
+COUPLED = (("persistent", "tile_order"), ("block_m", "consumer_regs"))
 
 
 @dataclass(frozen=True)

@@ -700,7 +700,15 @@ def default_fwd(p: Problem) -> FwdConfig:
         #   (benchmarks/experiments/hopper_fwd_consumers.py);
         # - other causal or windowed rows: one tile per program balances the diagonal
         #   better (benchmarks/fwd_default_scan.py);
-        # - no mask: a persistent grid in query order, consumers taking turns.
+        # - no mask at D=64 and S >= 2048, dense: three consumers (192-row tiles) on a
+        #   persistent grid in query order, a ring of two (three at S=2048 in the
+        #   measurement, the shipped config's), 1.10-1.18x the H200's shipped
+        #   two-consumer configs beside cuDNN (1.05-1.14x cuDNN; at S <= 1024 a 192-row
+        #   tile leaves too much of the last one idle: 0.91-0.93x against 0.96-0.97x)
+        #   (benchmarks/experiments/fwd_knob_ab.py, session 40); no tuner had reached
+        #   them, since neither the rows nor the registers can move alone between two and
+        #   three consumers (autotune.space.COUPLED);
+        # - no mask otherwise: a persistent grid in query order, consumers taking turns.
         # - a persistent grid with two Q buffers waits for a tile's O store behind the next
         #   tile's first product (defer_o): bit-identical, 1.016x geomean over the serial
         #   consumer on the matrix's rows of S <= 2048, 1.009x on the longer ones
@@ -714,6 +722,9 @@ def default_fwd(p: Problem) -> FwdConfig:
                              consumer_regs=160)
         if p.causal or p.window != (-1, -1):
             return FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)
+        if p.head_dim == 64 and p.seqlen_q >= 2048 and not p.packed:
+            return _defer_o(FwdConfig(variant=HOPPER, block_m=192, block_n=128, num_stages=2,
+                                      consumer_regs=160, persistent=1, tile_order=1), p)
         return _defer_o(FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2,
                                   persistent=1, tile_order=1, pingpong=1), p)
     return default_portable_fwd(p)

@@ -253,3 +253,31 @@ def test_compose_never_splits_the_one_launch_backward() -> None:
     ranked = space.compose([(one, {"pre": 0.1, ONE_LAUNCH_PART: 1.0}),
                             (two, {"pre": 0.1, "dkdv": 0.5, "dq": 0.6})])
     assert [p for _, p in ranked] == [two]
+
+
+def test_two_and_three_consumers_are_one_coupled_step_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third consumer warpgroup (block_m 128 -> 192) is feasible only at 152-160 consumer
+    registers, two consumers only above them: the pair moves as one step, any register
+    count being one step from any other, so a search polishing a two-consumer incumbent
+    reaches the three-consumer tiles, and back."""
+    from flashtune.autotune.space import COUPLED, UNORDERED
+    from flashtune.kernels import config
+    from flashtune.kernels.config import HOPPER, config_from_dict, config_to_dict, is_feasible
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")  # the target checks pass
+    assert ("block_m", "consumer_regs") in COUPLED and "consumer_regs" in UNORDERED
+    space = SearchSpace.full("fwd")
+    p = Problem(1, 32, 32, 16384, 16384, 64, "bf16", False)
+
+    def feasible_moves(cfg: FwdConfig) -> set[tuple[int, int]]:
+        point = space.project(config_to_dict(cfg))
+        assert point is not None
+        return {(n["block_m"], n["consumer_regs"]) for n in space.neighbours(point)
+                if is_feasible(config_from_dict("fwd", n), p)[0]}
+
+    two = FwdConfig(variant=HOPPER, block_m=128, block_n=128, consumer_regs=232, persistent=1,
+                    tile_order=1)
+    assert {(192, 152), (192, 160)} <= feasible_moves(two)
+    three = FwdConfig(variant=HOPPER, block_m=192, block_n=128, consumer_regs=160)
+    assert {(128, 216), (128, 232), (128, 240)} <= feasible_moves(three)

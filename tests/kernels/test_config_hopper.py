@@ -222,12 +222,22 @@ def test_default_on_a_hopper_is_the_gluon_kernel(on_hopper: None) -> None:
               dataclasses.replace(short128, seqlen_q=8192, seqlen_k=8192)):
         assert default_fwd(p).variant == HOPPER and not default_fwd(p).persistent
     assert default_fwd(dataclasses.replace(short64, causal=False)).tile_order == 1
-    # Longer causal rows at D=64: three consumers; D=128 and unmasked rows keep two.
+    # Longer causal rows at D=64: three consumers, and so unmasked dense rows of S >= 2048,
+    # on the unmasked default's persistent grid; D=128, windows, shorter unmasked rows and
+    # packed batches keep two.
     long64 = dataclasses.replace(short64, seqlen_q=4096, seqlen_k=4096)
     assert default_fwd(long64).block_m == 192
-    for p in (dataclasses.replace(long64, head_dim=128), dataclasses.replace(long64, causal=False),
-              dataclasses.replace(long64, window=(256, 0))):
+    for p in (dataclasses.replace(long64, head_dim=128),
+              dataclasses.replace(long64, window=(256, 0)),
+              dataclasses.replace(short64, causal=False),
+              dataclasses.replace(long64, causal=False, total_q=8000, total_k=8000)):
         assert default_fwd(p).block_m == 128, p
+    for s in (2048, 16384):
+        p = dataclasses.replace(long64, causal=False, seqlen_q=s, seqlen_k=s)
+        c = default_fwd(p)
+        assert (c.block_m, c.consumer_regs, c.persistent, c.tile_order) == (192, 160, 1, 1), p
+        assert c.defer_o == int(hopper_q_buffers(c, p.head_dim) == 2) == 1, (p, c)
+        check_fwd(c, p)
 
 
 def test_persistent_grids_double_buffer_q_where_it_fits(on_hopper: None) -> None:
