@@ -33,6 +33,8 @@ CASES = [
     (1, 16, 16, 4096, 4096, 128, "bf16", True, (-1, -1), 0.0, "bhsd"),
     # causal D=64 past 2048 (the three-consumer default), ~5 tiles per persistent program
     (2, 16, 4, 2500, 2500, 64, "bf16", True, (-1, -1), 0.0, "bhsd"),
+    # unmasked D=64 past 2048 (the three-consumer persistent default with defer_o), Sq != Sk
+    (2, 16, 4, 2500, 2311, 64, "bf16", False, (-1, -1), 0.0, "bshd"),
 ]
 
 
