@@ -3,24 +3,21 @@
 then timed beside cuDNN.
 
 Session 40 ran it for ``exp2_fma`` (one in every N of the softmax's exponentials computed by
-a polynomial on the FMA units instead of MUFU.EX2; ``fwd_exp2_fma.patch``, not landed) and
-for ``pingpong``.
+a polynomial on the FMA units instead of MUFU.EX2; ``fwd_exp2_fma.patch``, not landed: it
+was slower), for ``pingpong`` (slower) and, with ``--variants``, for three consumer
+warpgroups on the unmasked D=64 rows (faster from S=2048); BENCHMARKS.md, issue 12.
 
-Why: MUFU.EX2 retires 16 exponentials per clock per SM. At D=64 each score costs 128
-tensor-core FMAs (QK^T and PV, 2048 per clock per SM) and one exponential: both units need
-1/16 of a clock per score, so the exponentials alone bound the forward at the tensor
-cores' peak, and any phase where two consumers exponentiate at once stalls on them. The
-FMA units (128 lanes per SM) sit nearly idle in the softmax; an emulated exp2 costs eight
-of their instructions.
-
-For each shape of the standard matrix (``--head-dims`` narrows it), the shipped config for
-this GPU and the heuristic default are run with the knob at each value. Each variant
-is first judged under the 2x rule against the fp32 reference on the tuner's gate inputs
-(``autotune.measure.gate_problem``) and its error recorded beside the MUFU one's; then the
+For each shape of the standard matrix (``--head-dims``, ``--causal`` and the sequence
+bounds narrow it), the shipped config for this GPU and the heuristic default are run with
+each set of fields, the first set the baseline. Each variant is first judged under the 2x
+rule against the fp32 reference on the tuner's gate inputs
+(``autotune.measure.gate_problem``), and its O and LSE on the timing inputs are compared
+with the baseline's (``vs_first``; session 40's JSON calls it ``vs_mufu``); then the
 variants that pass are timed in one interleaved loop beside cuDNN (the inference forward,
 through ``flash_attention`` with the config forced; house protocol). Prints cuDNN / ours
 per variant, and writes JSON.
 
+    git apply benchmarks/experiments/fwd_exp2_fma.patch   # the knob below is the patch's
     timeout -k 10 400 python3 benchmarks/experiments/fwd_knob_ab.py --knob exp2_fma \
         --values 0,2,4,8 --head-dims 64 --bases shipped --out $OUT/exp2.json
 """
@@ -95,7 +92,7 @@ def scan(p: Problem, rep_ms: float, bases: tuple[str, ...], sets: dict[str, dict
             if n != first:
                 o1, l1 = flash_attention(q, k, v, causal=p.causal, return_lse=True, config=c)
                 fin = torch.isfinite(l0)
-                info.setdefault("vs_mufu", {})[n] = {
+                info.setdefault("vs_first", {})[n] = {
                     "o_max_abs": float((o0.float() - o1.float()).abs().max()),
                     "lse_max_abs": float((l0[fin] - l1[fin]).abs().max()) if fin.any() else 0.0,
                     "lse_inf_equal": bool(torch.equal(torch.isinf(l0), torch.isinf(l1)))}
