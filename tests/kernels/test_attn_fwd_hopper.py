@@ -204,7 +204,9 @@ def _varlen(seed: int) -> list[str]:
         p = Problem(7, hq, hk, max(lens_q), max(lens_k), d, "bf16", causal, win, cap,
                     total_q=sum(lens_q), total_k=sum(lens_k))
         dense = dataclasses.replace(p, total_q=0, total_k=0)
-        if default_fwd(dense).variant == HOPPER and default_fwd(p) != default_fwd(dense):
+        # A packed batch keeps the Hopper kernel where a dense one has it, though not every
+        # knob: defer_o needs a dense batch, and three consumers were measured only dense.
+        if default_fwd(dense).variant == HOPPER and default_fwd(p).variant != HOPPER:
             failures.append(f"{p}: the default forward of a packed batch is not the Hopper one")
         for cfg in _hopper_configs(p, rng, 3):
             try:
