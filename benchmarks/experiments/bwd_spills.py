@@ -42,6 +42,17 @@ CASES = [(4, 32, 8, 4096, 128, False, 64, 2, 0), (4, 32, 8, 4096, 128, True, 64,
          (4, 32, 32, 4096, 128, False, 64, 2, 1)]
 
 
+def use_module(path: str) -> None:
+    """Build the Hopper backward from ``path``, a copy of ``attn_bwd_hopper.py``, from now on."""
+    spec = importlib.util.spec_from_file_location("_bwd_variant", path)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    mod._sm_count = lambda index: 132
+    sys.modules["flashtune.kernels.attn_bwd_hopper"] = mod
+    kpkg.attn_bwd_hopper = mod
+
+
 def ptxas_report(ptx: str) -> str:
     import triton
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -99,13 +110,7 @@ def main() -> None:
                     help="the shipped layer's Hopper backward entries instead of CASES")
     args = ap.parse_args()
     if args.module:
-        spec = importlib.util.spec_from_file_location("_bwd_variant", args.module)
-        mod = importlib.util.module_from_spec(spec)
-        assert spec.loader is not None
-        spec.loader.exec_module(mod)
-        mod._sm_count = lambda index: 132
-        sys.modules["flashtune.kernels.attn_bwd_hopper"] = mod
-        kpkg.attn_bwd_hopper = mod
+        use_module(args.module)
     if args.shipped:
         shipped_report()
         return
