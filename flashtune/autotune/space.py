@@ -120,11 +120,17 @@ class SearchSpace:
         """This space less the choices ``problem`` cannot take: a deterministic backward
         always runs the Hopper kernel's fixed dQ order, so ``hopper_dq_fixed`` stays at 0
         there (1 is for ``deterministic=False`` calls; the feasibility rules refuse it), and
-        neither the sampler nor a polishing walk spends a pick on it."""
-        if (self.direction == "bwd" and problem.deterministic
-                and len(self.fields.get("hopper_dq_fixed", ())) > 1):
-            return self.restrict(hopper_dq_fixed=0)
-        return self
+        neither the sampler nor a polishing walk spends a pick on it. Likewise
+        ``hopper_kv_regs`` stays at 0 where the head dim is not 64 (K and V only fit in
+        registers there)."""
+        out = self
+        if self.direction != "bwd":
+            return out
+        if problem.deterministic and len(out.fields.get("hopper_dq_fixed", ())) > 1:
+            out = out.restrict(hopper_dq_fixed=0)
+        if problem.head_dim != 64 and len(out.fields.get("hopper_kv_regs", ())) > 1:
+            out = out.restrict(hopper_kv_regs=0)
+        return out
 
     @property
     def size(self) -> int:

@@ -349,7 +349,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
-                  STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr):
+                  STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr, KV_REGS: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -404,6 +404,18 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
     mbarrier.wait(kv_ready, 0)
+    if KV_REGS:
+        # hopper_kv_regs (D=64): the consumer's K and V tiles (16 registers each) stay in
+        # registers as the left operands of Sᵀ and dPᵀ, so those two products read only
+        # Qᵀ and dOᵀ from shared memory, whose bandwidth the five products share. With
+        # 128-row query tiles the accumulators leave no room for them (spills: slower).
+        gl.static_assert(D == 64)
+        kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        k_a = k.load(kv_op)
+        v_a = v.load(kv_op)
+    else:
+        k_a = k
+        v_a = v
     cnt = 0
     FLAT: gl.constexpr = GQA > 1 and WALK == 1
     for g0 in range(1 if FLAT else GQA):
@@ -431,14 +443,15 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
             q = q_smem.index(buf)
             do = do_smem.index(buf)
             mbarrier.wait(q_full.index(buf), phase)
-            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma(k_a, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if STAGE_LSE and not LEAN:  # read while the product runs
                 lse2 = lse_smem.index(buf).load(col_s) * LOG2E
             if DP_LATE:
                 s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
             else:
                 mbarrier.wait(do_full.index(buf), phase)
-                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v_a, do.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)
                 s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
             if STAGE_LSE:
                 if LEAN:  # read once Sᵀ is in: no room for it beside the products
@@ -462,7 +475,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 p_t = gl.where(vis, p_t, 0.0)
             if DP_LATE:
                 mbarrier.wait(do_full.index(buf), phase)
-                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v_a, do.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
             if STAGE_LSE:
                 delta = delta_smem.index(buf).load(col_s)
@@ -591,6 +605,7 @@ def _attn_bwd_hopper_kernel(
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr,
+    KV_REGS: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -664,7 +679,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                                  delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -673,7 +688,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -697,7 +712,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -724,7 +739,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -733,7 +748,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -751,7 +766,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -939,7 +954,8 @@ class HopperBwdLaunch:
                  ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
-                 STAGE_LSE=self.stage_lse, DQ_GROUPS=groups, num_warps=4), 10)
+                 STAGE_LSE=self.stage_lse, DQ_GROUPS=groups, KV_REGS=bool(c.hopper_kv_regs),
+                 num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         self.finish = BoundLaunch(
             _attn_bwd_dq_finish, (triton.cdiv(sq, 64), b * hq),

@@ -189,6 +189,10 @@ class BwdConfig:
     hopper_dq_groups: int = knob(0, (0, 1), "Hopper, fixed dQ order: 1 stages each dQ chunk "
                                  "in column groups of eight, up to 64 columns a chunk; 0 in "
                                  "rows of 32 columns", variants=_BH)
+    hopper_kv_regs: int = knob(0, (0, 1), "Hopper, D=64: 1 holds each consumer's K and V "
+                               "tiles in registers as the left operands of S^T and dP^T, "
+                               "which then read only Q and dO from shared memory",
+                               variants=_BH)
 
     kind = "bwd"
 
@@ -592,6 +596,11 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"bwd hopper: hopper_block_m=128 needs head_dim <= 64 (got {p.head_dim}): a "
             f"consumer holds dK, dV and a 128-row dQ tile in registers")
+    if c.hopper_kv_regs and p.head_dim != 64:
+        raise InfeasibleConfigError(
+            f"bwd hopper: hopper_kv_regs=1 needs head_dim 64 (got {p.head_dim}): at D=128 "
+            f"the K and V tiles do not fit in a consumer's registers beside its "
+            f"accumulators (use 0)")
     if c.hopper_dq_fixed and p.deterministic:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_fixed=1 is for deterministic=False calls; a deterministic "
@@ -792,7 +801,11 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
         reason = _bwd_hopper_unavailable(p)
         if reason:
             raise InfeasibleConfigError(reason)
-        c = BwdConfig(variant=BWD_HOPPER, pre_block_m=c.pre_block_m)
+        # At D=64, K and V in registers (hopper_kv_regs) with the default 64-row query
+        # tiles: 1.03-1.06x in the free dQ order, 1.02-1.07x in the fixed one on the H200
+        # (BENCHMARKS.md, issue 13, session 42).
+        c = BwdConfig(variant=BWD_HOPPER, pre_block_m=c.pre_block_m,
+                      hopper_kv_regs=int(p.head_dim == 64))
     elif variant is not None and variant != c.variant:
         c = _as_variant(c, variant, p)
     check_bwd(c, p)

@@ -21,7 +21,6 @@ from flashtune.kernels.config import (
     config_fields,
     default_bwd,
     default_fwd,
-    is_feasible,
     variant_unavailable,
 )
 from flashtune.kernels.reference import Reference, reference_errors, within_rule
@@ -74,7 +73,12 @@ def rounding_floored(ref: Reference, dtype: torch.dtype) -> dict[str, float]:
 def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64,
                   max_stages: int = 3, variant: int | None = None) -> FwdConfig | BwdConfig:
     """A random *feasible* config of ``cls`` for ``p`` (blocks capped to keep the interpreter
-    quick; on the GPU pass larger caps)."""
+    quick; on the GPU pass larger caps): feasible as the search judges it, by the rules and,
+    for the Hopper backward, its launch's shared-memory plan (a config the plan refuses
+    fails before any launch, as a forced config should, so it is no kernel case)."""
+    from flashtune.autotune.space import SearchSpace
+
+    search = SearchSpace.full(cls.kind)  # type: ignore[attr-defined]
     space = config_fields(cls)
     direction = cls.kind  # type: ignore[attr-defined]
     # Only the variants that can serve p here (the Hopper ones cannot in the interpreter).
@@ -90,7 +94,7 @@ def random_config(cls: type, p: Problem, rng: random.Random, max_block: int = 64
             # A variant whose every tile is above the cap keeps its smallest.
             kw.setdefault(name, rng.choice(allowed or [min(space[name])]))
         cfg = cls(**kw)
-        if is_feasible(cfg, p)[0]:
+        if search.feasible(cfg, p)[0]:
             return cfg
     raise AssertionError(f"no feasible {cls.__name__} found for {p}")
 

@@ -137,16 +137,22 @@ def _bit_identical(seed: int) -> list[str]:
     p = Problem(1, 4, 2, 700, 901, 64, "bf16", True, deterministic=True)
     q, k, v, do = make_qkv(p, "cuda", gen=torch.Generator().manual_seed(seed + 1))
     base = default_bwd(p, BWD_HOPPER)
-    for tiles in ({"hopper_block_m": 64, "hopper_block_n": 64},
-                  {"hopper_block_m": 128, "hopper_block_n": 128}):
-        pair = []
-        for groups in (0, 1):
-            c = dataclasses.replace(base, **tiles, hopper_dq_groups=groups)
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out = flash_attention(qg, kg, vg, causal=True, config=c, deterministic=True)
-            pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
-        if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
-            failures.append(f"{p} {tiles}: hopper_dq_groups=1 changes the gradients")
+    # And K and V as register operands (hopper_kv_regs, D=64) feed Sᵀ and dPᵀ the same
+    # values as from shared memory: the same products, the same gradients, bit for bit.
+    square, wide = {"hopper_block_m": 64, "hopper_block_n": 64}, {"hopper_block_m": 64,
+                                                                   "hopper_block_n": 128}
+    tall = {"hopper_block_m": 128, "hopper_block_n": 128}
+    for knob, tile_sets in (("hopper_dq_groups", (square, tall)),
+                            ("hopper_kv_regs", (square, wide, tall))):
+        for tiles in tile_sets:
+            pair = []
+            for value in (0, 1):
+                c = dataclasses.replace(base, **tiles, **{knob: value})
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out = flash_attention(qg, kg, vg, causal=True, config=c, deterministic=True)
+                pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
+            if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
+                failures.append(f"{p} {tiles}: {knob}=1 changes the gradients")
     return failures
 
 

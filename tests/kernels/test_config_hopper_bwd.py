@@ -178,7 +178,7 @@ def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
-            "pre_block_m",
+            "hopper_kv_regs", "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -441,3 +441,38 @@ def test_a_free_order_call_runs_the_fixed_order_where_its_staging_does_not_fit(
         assert launch.deterministic is fixed and launch.main.kwargs["DETERMINISTIC"] is fixed
         bufs = launch.buffers(q, k, v, torch.randn(b, hq, s))
         assert (bufs[6] is not bufs[5]) is fixed  # semaphores only for the fixed order
+
+
+def test_kv_regs_is_a_d64_knob_on_by_default_there(on_hopper: None) -> None:
+    """``hopper_kv_regs`` (session 42): 1 holds K and V in registers for Sᵀ and dPᵀ, at
+    D=64 only. Configs written before it read as 0 (the code they were tuned on); the
+    default Hopper backward takes 1 at D=64 and 0 at D=128; D=128 refuses 1 with the
+    reason, and a search there never proposes it; the launch passes it as KV_REGS."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
+
+    old = config_to_dict(HOP)
+    del old["hopper_kv_regs"]
+    assert config_from_dict("bwd", old).hopper_kv_regs == 0
+    p64 = dataclasses.replace(P, head_dim=64)
+    assert default_bwd(p64, BWD_HOPPER).hopper_kv_regs == 1
+    assert default_bwd(P, BWD_HOPPER).hopper_kv_regs == 0
+    regs = dataclasses.replace(HOP, hopper_kv_regs=1)
+    check_bwd(regs, p64)
+    check_bwd(regs, dataclasses.replace(p64, deterministic=True))
+    with pytest.raises(InfeasibleConfigError, match="hopper_kv_regs=1 needs head_dim 64"):
+        check_bwd(regs, P)
+    full = SearchSpace.full("bwd")
+    assert full.for_problem(P).fields["hopper_kv_regs"] == (0,)
+    assert full.for_problem(p64).fields["hopper_kv_regs"] == (0, 1)
+    det128 = full.for_problem(dataclasses.replace(P, deterministic=True))
+    assert det128.fields["hopper_kv_regs"] == (0,) and det128.fields["hopper_dq_fixed"] == (0,)
+    b, h, s, d = 1, 2, 256, 64
+    q, do, o, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(5))
+    for kv_regs in (0, 1):
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                                 scales=(0.18, 0.0, 0.0), softcap=0.0,
+                                 config=dataclasses.replace(HOP, hopper_kv_regs=kv_regs),
+                                 deterministic=False)
+        assert launch.main.kwargs["KV_REGS"] is bool(kv_regs)
