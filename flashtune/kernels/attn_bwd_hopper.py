@@ -408,7 +408,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
         # hopper_kv_regs (D=64): the consumer's K and V tiles (16 registers each) stay in
         # registers as the left operands of Sᵀ and dPᵀ, so those two products read only
         # Qᵀ and dOᵀ from shared memory, whose bandwidth the five products share. With
-        # 128-row query tiles the accumulators leave no room for them (spills: slower).
+        # 64-row query tiles 1.02-1.07x on the H200; with 128-row ones 0.76-0.95x in the
+        # free dQ order and 0.97-1.07x in the fixed one (BENCHMARKS.md, issue 13).
         gl.static_assert(D == 64)
         kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         k_a = k.load(kv_op)

@@ -681,9 +681,11 @@ def _fit_rows(block: int, n: int) -> int:
 HOST_BOUND_SCORES = 1 << 22
 
 
-# The shortest key sequence where the default backward for deterministic=False is the
-# Hopper kernel (see default_bwd).
-HOPPER_BWD_MIN_SEQLEN = 8192
+# Where the default backward is the Hopper kernel (see default_bwd): query and key
+# sequences both at least HOPPER_BWD_MIN_SEQLEN long, or for deterministic=False at least
+# HOPPER_BWD_FREE_MIN_KEYS keys (with any number of queries).
+HOPPER_BWD_MIN_SEQLEN = 1024
+HOPPER_BWD_FREE_MIN_KEYS = 8192
 
 
 def host_bound(p: Problem) -> bool:
@@ -764,7 +766,8 @@ def default_portable_fwd(p: Problem) -> FwdConfig:
 def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
     """Heuristic backward config, always feasible. ``variant`` None: the heuristic's pick,
     the fused one-launch backward for a host-bound call (:func:`host_bound`), the Hopper
-    backward for ``deterministic=False`` where it can run, else the two-kernel backward;
+    backward where it can run and the sequences are long enough (either determinism), else
+    the two-kernel backward;
     else that variant (the portable ones with the same tiles; InfeasibleConfigError if the
     variant cannot serve ``p``)."""
     d = padded_head_dim(p.head_dim)
@@ -791,11 +794,15 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
         # A call this small is bound by host time: one launch (no preprocess) instead of
         # three, and no delta buffer to allocate (BENCHMARKS.md, issue 14).
         variant = BWD_FUSED
-    if variant is None and not p.deterministic and p.seqlen_k >= HOPPER_BWD_MIN_SEQLEN \
-            and not host_bound(p) and not _bwd_hopper_unavailable(p):
-        # Measured on the H200 (BENCHMARKS.md): with dQ summed in any order the Hopper
-        # backward is 1.06-1.12x the portable one at S = 16k and even or behind below; in
-        # the fixed order its turns cost more than they save (0.5x cuDNN), so it stays out.
+    if variant is None and not host_bound(p) and not _bwd_hopper_unavailable(p) and (
+            min(p.seqlen_q, p.seqlen_k) >= HOPPER_BWD_MIN_SEQLEN
+            or (not p.deterministic and p.seqlen_k >= HOPPER_BWD_FREE_MIN_KEYS)):
+        # Measured on the H200 (BENCHMARKS.md, issue 13, session 42), this default Hopper
+        # config against the portable one, S = 1k, 4k and 16k, D = 64 and 128, causal or
+        # not: in the fixed dQ order (deterministic calls) 1.00-1.34x, in the free order
+        # 1.11-1.38x. (Session 24's kernel, before the fixed order's dQ writers and staged
+        # LSE, was even or behind below 8k keys and 0.5x cuDNN in the fixed order; the
+        # free-order rule from 8k keys is its.)
         variant = BWD_HOPPER
     if variant == BWD_HOPPER:
         reason = _bwd_hopper_unavailable(p)

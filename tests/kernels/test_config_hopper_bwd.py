@@ -17,6 +17,8 @@ from flashtune.kernels.config import (
     BWD_HOPPER,
     BWD_TWO_KERNEL,
     DEFAULT_SMEM_BYTES,
+    HOPPER_BWD_FREE_MIN_KEYS,
+    HOPPER_BWD_MIN_SEQLEN,
     BwdConfig,
     active_fields,
     check_bwd,
@@ -24,6 +26,7 @@ from flashtune.kernels.config import (
     config_to_dict,
     default_bwd,
     hopper_bwd_fixed_order,
+    host_bound,
     smem_bwd_hopper,
     variant_unavailable,
 )
@@ -158,18 +161,34 @@ def test_interpreter_makes_the_variant_unavailable() -> None:
     assert default_bwd(P).variant == BWD_TWO_KERNEL
 
 
-def test_default_on_a_hopper_follows_determinism(on_hopper: None) -> None:
-    # Below 8k keys the portable backward measured even or faster; from there, the Hopper one.
-    assert default_bwd(P).variant == BWD_TWO_KERNEL
-    long = dataclasses.replace(P, seqlen_q=8192, seqlen_k=8192)
-    assert default_bwd(long).variant == BWD_HOPPER
-    p_long = long
-    # In the fixed dQ order the Hopper backward measured slower than the portable one.
-    assert default_bwd(dataclasses.replace(p_long, deterministic=True)).variant == BWD_TWO_KERNEL
-    # Head dims and packed batches it cannot take stay portable.
-    assert default_bwd(dataclasses.replace(p_long, head_dim=96)).variant == BWD_TWO_KERNEL
-    packed = dataclasses.replace(p_long, total_q=9000, total_k=9000)
+def test_default_on_a_hopper_takes_it_from_1k_queries_and_keys(on_hopper: None) -> None:
+    """Session 42's A/B (H200): the default Hopper config beat the portable default on
+    every measured shape from S = 1k, in the fixed dQ order too; so a call whose query and
+    key sequences are both that long takes it, with either determinism. Below, the free
+    order keeps session 24's rule (from 8k keys, any number of queries)."""
+    assert P.seqlen_q == P.seqlen_k == 4096
+    for det in (False, True):
+        p = dataclasses.replace(P, deterministic=det)
+        assert default_bwd(p).variant == BWD_HOPPER
+        at_1k = dataclasses.replace(p, seqlen_q=HOPPER_BWD_MIN_SEQLEN,
+                                    seqlen_k=HOPPER_BWD_MIN_SEQLEN)
+        assert default_bwd(at_1k).variant == BWD_HOPPER
+        short_q = dataclasses.replace(p, seqlen_q=HOPPER_BWD_MIN_SEQLEN - 1)
+        assert default_bwd(short_q).variant == BWD_TWO_KERNEL
+        check_bwd(default_bwd(p), p)
+    # Few queries, many keys: the Hopper kernel for the free order only.
+    decode = dataclasses.replace(P, seqlen_q=300, seqlen_k=HOPPER_BWD_FREE_MIN_KEYS)
+    assert default_bwd(decode).variant == BWD_HOPPER
+    assert default_bwd(dataclasses.replace(decode, deterministic=True)).variant \
+        == BWD_TWO_KERNEL
+    assert default_bwd(dataclasses.replace(decode, seqlen_k=HOPPER_BWD_FREE_MIN_KEYS - 1)
+                       ).variant == BWD_TWO_KERNEL
+    # Head dims and packed batches it cannot take stay portable; host-bound calls fused.
+    assert default_bwd(dataclasses.replace(P, head_dim=96)).variant == BWD_TWO_KERNEL
+    packed = dataclasses.replace(P, total_q=9000, total_k=9000)
     assert default_bwd(packed).variant == BWD_TWO_KERNEL
+    tiny = dataclasses.replace(P, batch=1, heads_q=1, heads_kv=1, seqlen_q=1024, seqlen_k=1024)
+    assert host_bound(tiny) and default_bwd(tiny).variant == BWD_FUSED
     for p in (P, dataclasses.replace(P, head_dim=64, causal=False)):
         check_bwd(default_bwd(p), p)
 
