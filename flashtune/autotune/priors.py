@@ -71,8 +71,10 @@ def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 
 def _hopper_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The Hopper backward: 128 query rows per step at head dim 64 (at 128 a consumer has
-    no registers for them)."""
-    return {"hopper_block_m": 128} if p.head_dim <= 64 else {}
+    no registers for them), with K and V read from shared memory as when the prior was
+    measured (the default's registers for them ran 0.76-0.95x with 128-row tiles in the
+    free dQ order; BENCHMARKS.md, issue 13, session 42)."""
+    return {"hopper_block_m": 128, "hopper_kv_regs": 0} if p.head_dim <= 64 else {}
 
 
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)

@@ -84,11 +84,13 @@ from flashtune.autotune.study import (
     proposer,
     study_name,
 )
-from flashtune.exceptions import TuningError
+from flashtune.exceptions import InfeasibleConfigError, TuningError
 from flashtune.kernels.config import (
+    BWD_HOPPER,
     PORTABLE,
     config_from_dict,
     config_to_dict,
+    default_bwd,
     default_config,
     default_portable_fwd,
     for_nondeterministic_call,
@@ -240,8 +242,8 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     first), the prior
     points of the device's architecture (:func:`~flashtune.autotune.priors.prior_points`),
     and last the default's tiles in each other kernel variant that may serve the problem
-    (and, for a forward whose default is a Hopper kernel, the portable kernel's own
-    heuristic config). Each is projected into ``space`` (points outside it are skipped)."""
+    (and, where the default is a Hopper kernel, the portable kernels' own heuristic
+    configs). Each is projected into ``space`` (points outside it are skipped)."""
     from flashtune.db.storage import nearest_results
 
     out: list[tuple[dict[str, Any], str]] = []
@@ -330,6 +332,16 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         if direction == "fwd" and default.get("variant") != PORTABLE \
                 and PORTABLE in allowed:
             add(config_to_dict(default_portable_fwd(problem)), "variant")
+        # Likewise a backward whose default is the Hopper kernel (every long enough call
+        # on sm90 since session 42): each portable variant with the heuristic's own tiles.
+        if direction == "bwd" and default.get("variant") == BWD_HOPPER:
+            for variant in sorted(allowed - {BWD_HOPPER}):
+                try:
+                    cfg = default_bwd(problem, variant)
+                except InfeasibleConfigError:
+                    continue
+                if space.feasible(cfg, problem)[0]:
+                    add(config_to_dict(cfg), "variant")
     return out
 
 

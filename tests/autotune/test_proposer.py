@@ -458,6 +458,29 @@ def test_a_hopper_default_forward_is_seeded_with_the_portable_heuristic_too(
                                         shipped=False)] == ["default"]
 
 
+def test_a_backward_whose_default_is_hopper_seeds_the_portable_heuristics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Since session 42 a deterministic backward of 1k+ queries and keys defaults to the
+    Hopper kernel on sm90; the variant seeds would then carry only its (unused) portable
+    fields at their dataclass defaults, so each portable variant's own heuristic config
+    is seeded too."""
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.db.fingerprint import device_info, software_info
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=4, heads_q=16, heads_kv=16, seqlen_q=2048, seqlen_k=2048, head_dim=128,
+                causal=True, deterministic=True)
+    bwd = SearchSpace.full("bwd")
+    assert default_config("bwd", p).variant == config.BWD_HOPPER
+    seeds = _seed_configs(None, device_info(), software_info(), p, "bwd", bwd, shipped=False)
+    two = bwd.project(config_to_dict(config.default_bwd(p, config.BWD_TWO_KERNEL)))
+    assert two is not None and (two, "variant") in seeds
+    one = bwd.project(config_to_dict(config.default_bwd(p, config.BWD_ONE_LAUNCH)))
+    assert one is not None and (one, "variant") in seeds
+    # The atomic variant cannot serve a deterministic call: never seeded.
+    assert all(pt["variant"] != config.BWD_ATOMIC for pt, _ in seeds)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
         head_dim: int) -> None:
@@ -500,8 +523,10 @@ def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
 def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_dim_64(
         deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Hopper backward can run, its prior point is its default with 128-row query
-    tiles at head dim 64 (the variant seeds carry only the default's 64), last in the list;
-    at head dim 128 such tiles cannot run, and no Hopper point is added."""
+    tiles at head dim 64 (the variant seeds carry only the default's 64) and K and V read
+    from shared memory, as the prior was measured (the default holds them in registers at
+    head dim 64 since session 42), last in the list; at head dim 128 such tiles cannot
+    run, and no Hopper point is added."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -515,7 +540,8 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             continue
         assert hopper == [points[-1]]
         base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
-        assert hopper[0] == {**base, "hopper_block_m": 128}
+        assert base["hopper_kv_regs"] == 1
+        assert hopper[0] == {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
         assert config.is_feasible(config.BwdConfig(**hopper[0]), p)[0]
         assert BWD.project(hopper[0]) == hopper[0]
 
