@@ -33,6 +33,23 @@ def visibility(sq: int, sk: int, causal: bool, window: tuple[int, int],
     return vis
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, softmax_scale: float | None,
+            window_size: tuple[int, int], softcap: float) -> torch.Tensor:
+    """The masked scores (B, Hq, Sq, Sk) of (B, H, S, D) inputs, KV heads repeated for GQA:
+    scaled, soft-capped, -inf where a key is not visible."""
+    hq, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if hq != hk:
+        k = k.repeat_interleave(hq // hk, dim=1)
+    scale = softmax_scale if softmax_scale is not None else default_scale(q.shape[-1])
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    vis = visibility(sq, sk, causal, window_size, q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return s
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, upcast: bool = True,
@@ -41,18 +58,11 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     dtype = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
+    hq, hk = q.shape[1], k.shape[1]
     if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
-    scale = softmax_scale if softmax_scale is not None else default_scale(d)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    vis = visibility(sq, sk, causal, window_size, q.device)
-    if vis is not None:
-        s = s.masked_fill(~vis, float("-inf"))
+    s = _scores(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                softcap=softcap)
     lse = torch.logsumexp(s.float(), dim=-1)
     empty = torch.isneginf(lse)
     p = torch.softmax(s, dim=-1)
@@ -212,6 +222,66 @@ def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     ref = reference(q, k, v, do if grads is not None else None, causal=causal,
                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     return ref.errors(out, lse, grads), ref.torch_errors
+
+
+def flash_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                 out: torch.Tensor, *, causal: bool, softmax_scale: float | None,
+                 window_size: tuple[int, int], softcap: float,
+                 cu_seqlens_q: torch.Tensor | None = None,
+                 cu_seqlens_k: torch.Tensor | None = None) -> dict[str, float]:
+    """The max errors in dq, dk and dv of a FlashAttention backward computed in fp32 but for
+    the roundings the algorithm itself makes, given ``out``, a candidate forward's output
+    as stored; dense (B, H, S, D) inputs or, with ``cu_seqlens_*``, a packed batch, one
+    sequence at a time. Meant for small problems (it holds every score).
+
+    The roundings, to the inputs' dtype: the output, from which delta = rowsum(dO * O) is
+    formed (an output off by e per element moves delta_i by rowsum(dO * e) and the score
+    gradient dS = P * (dO V^T - delta) by -P times that); P before dV = P^T dO; and dS
+    before dQ = dS K and dK = dS^T Q. PyTorch's own low-precision path forms no delta from
+    a stored output and rounds elsewhere, so on a batch of a few dozen rows its errors can
+    fall well short of these, which any FlashAttention backward given ``out`` makes."""
+    kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
+                              window_size=window_size, softcap=softcap)
+    if cu_seqlens_q is None:
+        return _flash_errors(q, k, v, do, out, kw)
+    assert cu_seqlens_k is not None
+    worst = {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+    for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+        errs = _flash_errors(_seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb),
+                             _seq(do, qa, qb), _seq(out, qa, qb), kw)
+        worst = {name: max(worst[name], e) for name, e in errs.items()}
+    return worst
+
+
+def _flash_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                  out: torch.Tensor, kw: dict[str, Any]) -> dict[str, float]:
+    # Both backwards, exact and rounded, take dS (dP) through autograd from the scores
+    # (scale, soft-cap, mask and the GQA head sum included) and from P V.
+    low = q.dtype
+    q32, k32, v32, do32 = (t.detach().float().requires_grad_(True) for t in (q, k, v, do))
+    with torch.enable_grad():
+        s = _scores(q32, k32, **kw)
+        hq, hk = q.shape[1], k.shape[1]
+        vr = v32.repeat_interleave(hq // hk, dim=1) if hq != hk else v32
+    if s.numel() == 0:
+        return {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+    p = torch.softmax(s.detach(), dim=-1)
+    p = torch.where(torch.isfinite(s.detach()).any(-1, keepdim=True), p, torch.zeros_like(p))
+    o = torch.matmul(p, vr.detach())
+    dp = torch.matmul(do32.detach(), vr.detach().transpose(-1, -2))
+    grads = []
+    for o_used, rnd in ((o, False), (out.detach().float(), True)):
+        ds = p * (dp - (do32.detach() * o_used).sum(-1, keepdim=True))
+        pv = p
+        if rnd:
+            ds, pv = ds.to(low).float(), p.to(low).float()
+        with torch.enable_grad():
+            o_of_v = torch.matmul(pv, vr)
+        dq, dk = torch.autograd.grad(s, (q32, k32), ds, retain_graph=True)
+        (dv,) = torch.autograd.grad(o_of_v, (v32,), do32.detach(), retain_graph=True)
+        grads.append((dq, dk, dv))
+    return {name: (a - b).abs().max().item()
+            for name, a, b in zip(("dq", "dk", "dv"), *grads, strict=True)}
 
 
 def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:

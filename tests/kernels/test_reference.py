@@ -67,3 +67,63 @@ def test_sliced_packed_reference_equals_whole(monkeypatch: pytest.MonkeyPatch,
     torch.testing.assert_close(dense.lse[0], whole.lse[:, a:b])
     assert dense.grads is not None
     torch.testing.assert_close(dense.grads[1][0].transpose(0, 1), whole.grads[1][a:b])
+
+
+
+
+def test_flash_errors_match_a_hand_written_backward(seed: int) -> None:
+    """``flash_errors``: each gradient's max difference between two fp64 backwards written
+    out by hand, one exact and one that forms delta = rowsum(dO * O) from a given output
+    and rounds P (for dV) and dS (for dQ and dK) to bfloat16; GQA, soft-capping, a window
+    and rows with no visible key included, dense and as a packed batch."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hk, sq, sk, d, cap, window = 2, 4, 2, 11, 7, 16, 3.0, (4, -1)
+    bf = torch.bfloat16
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(bf)
+
+    q, k, v, do = randn(b, hq, sq, d), randn(b, hk, sk, d), randn(b, hk, sk, d), randn(b, hq, sq, d)
+    kw = dict(causal=True, softmax_scale=None, window_size=window, softcap=cap)
+    out, _ = reference.attention_ref(q, k, v, **kw)  # rounded to bf16
+    out = out + 0.01 * randn(*out.shape)
+
+    q64, do64 = q.double(), do.double()
+    k64, v64 = (t.double().repeat_interleave(hq // hk, dim=1) for t in (k, v))
+    scale = d ** -0.5
+    t = torch.tanh(q64 @ k64.transpose(-1, -2) * scale / cap)
+    i = torch.arange(sq)[:, None] + (sk - sq)  # bottom-right aligned: rows 0-3 see no key
+    j = torch.arange(sk)[None, :]
+    visible = (j <= i) & (j >= i - window[0])
+    assert not visible[:4].any() and visible[4:].any(-1).all()
+    p = torch.softmax((cap * t).masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    dp = do64 @ v64.transpose(-1, -2)
+
+    def by_kv_head(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(1, (hk, hq // hk)).sum(2)
+
+    grads = []
+    for o, rnd in ((p @ v64, False), (out.double(), True)):
+        ds = p * (dp - (do64 * o).sum(-1, keepdim=True))
+        pv = p
+        if rnd:
+            ds, pv = ds.to(bf).double(), p.to(bf).double()
+        ds = ds * (1 - t * t) * scale
+        grads.append((ds @ k64, by_kv_head(ds.transpose(-1, -2) @ q64),
+                      by_kv_head(pv.transpose(-1, -2) @ do64)))
+    want = {name: (a - e).abs().max().item()
+            for name, a, e in zip(("dq", "dk", "dv"), grads[1], grads[0], strict=True)}
+    assert all(e > 0 for e in want.values())
+    # fp32 against fp64 with the same roundings; one bf16 rounding may land the other way.
+    got = reference.flash_errors(q, k, v, do, out, **kw)
+    assert got == pytest.approx(want, rel=0.02)
+    # The same two sequences packed, with an empty one between them.
+    cu_q = torch.tensor([0, sq, sq, 2 * sq], dtype=torch.int32)
+    cu_k = torch.tensor([0, sk, sk, 2 * sk], dtype=torch.int32)
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).flatten(0, 1)
+
+    packed = reference.flash_errors(*(pack(x) for x in (q, k, v, do, out)), cu_seqlens_q=cu_q,
+                                    cu_seqlens_k=cu_k, **kw)
+    assert packed == pytest.approx(got, rel=1e-5)
