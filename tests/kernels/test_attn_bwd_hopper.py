@@ -190,6 +190,49 @@ def _bound_launches(seed: int) -> list[str]:
     return failures
 
 
+def _defaults(seed: int) -> list[str]:
+    """What a call with no tuned entry is served from 1k queries and keys (session 42's
+    default rule): the Hopper backward's default config, K and V in registers at D=64,
+    in either order, against the reference; twice in the fixed order, bit for bit."""
+    import torch
+
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    from .helpers import check_case, make_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout in (
+            (Problem(2, 8, 8, 1024, 1024, 64, "bf16", True, deterministic=True), "bhsd"),
+            (Problem(1, 8, 2, 1031, 1500, 64, "fp16", False, deterministic=True), "bshd"),
+            (Problem(1, 6, 6, 1100, 1100, 128, "bf16", True, deterministic=True), "bhsd"),
+            (Problem(2, 8, 4, 1300, 1029, 128, "bf16", False, (400, 70), 0.0,
+                     deterministic=True), "bshd"),
+            (Problem(1, 4, 4, 2000, 2000, 64, "bf16", True, deterministic=False), "bhsd"),
+            (Problem(1, 4, 2, 300, 8200, 128, "bf16", False, deterministic=False), "bhsd")):
+        cfg = default_bwd(p)
+        if cfg.variant != BWD_HOPPER or cfg.hopper_kv_regs != (p.head_dim == 64):
+            failures.append(f"{p}: the default is {cfg}, not the Hopper backward's")
+            continue
+        try:
+            check_case(p, "cuda", layout=layout, gen=gen, deterministic=p.deterministic)
+        except AssertionError as e:
+            failures.append(str(e))
+        if p.deterministic:
+            q, k, v, do = make_qkv(p, "cuda", layout, gen)
+            grads = []
+            for _ in range(2):
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
+                                      config=cfg, deterministic=True)
+                grads.append(torch.autograd.grad(out, (qg, kg, vg), do))
+            if not all(torch.equal(a, b) for a, b in zip(*grads, strict=True)):
+                failures.append(f"{p}: repeated default backwards differ")
+    return failures
+
+
 @pytest.fixture
 def needs_hopper() -> None:
     from flashtune.kernels.config import hopper_support
@@ -201,7 +244,7 @@ def needs_hopper() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
-                                   "_bound_launches"])
+                                   "_bound_launches", "_defaults"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 
