@@ -16,10 +16,26 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
 STARTUP_TIMEOUT_S = 300.0
+# The signals that interrupt a tuner (Ctrl-C, and SIGTERM as the sweep handles it).
+INTERRUPTS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Keep SIGINT and SIGTERM pending in this thread until the block ends; one that came
+    meanwhile is then handled, at that point. A child started inside inherits the mask
+    (the worker clears it first thing)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Worker:
@@ -48,11 +64,15 @@ class Worker:
         t0 = time.perf_counter()
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flashtune.autotune._worker", str(fd)],
-            pass_fds=(fd,), env=self._env(), stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        # An interrupt inside Popen (it waits for the exec) would leave a child running
+        # that no one can stop or answer, and that prints a BrokenPipeError on the shared
+        # terminal once it is ready: held until the process and its end are ours.
+        with interrupts_held():
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "flashtune.autotune._worker", str(fd)],
+                pass_fds=(fd,), env=self._env(), stdin=subprocess.DEVNULL)
+            theirs.close()
+            self.conn = Connection(ours.detach())
         self.starts += 1
         ready = self._recv(STARTUP_TIMEOUT_S)
         if not isinstance(ready, dict) or ready.get("op") != "ready":

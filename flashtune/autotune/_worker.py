@@ -164,10 +164,17 @@ def _serve(conn: Connection) -> None:
 def main(argv: list[str]) -> None:
     # Ctrl-C goes to the whole process group; the parent decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent holds SIGINT and SIGTERM while it starts this process, which inherits
+    # that mask: a `kill` must still end it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a worker is stuck
     conn = Connection(int(argv[1]))
     try:
         _serve(conn)
+    except (BrokenPipeError, ConnectionResetError):
+        # The parent is gone (interrupted, or killed, while this one started or measured):
+        # no one to answer, and no traceback on the terminal the two shared.
+        raise SystemExit(1) from None
     finally:
         conn.close()
 
