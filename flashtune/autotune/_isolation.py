@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,19 +24,58 @@ from typing import Any
 
 STARTUP_TIMEOUT_S = 300.0
 # The signals that interrupt a tuner (Ctrl-C, and SIGTERM as the sweep handles it).
-INTERRUPTS = frozenset({signal.SIGINT, signal.SIGTERM})
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Keep SIGINT and SIGTERM pending in this thread until the block ends; one that came
-    meanwhile is then handled, at that point. A child started inside inherits the mask
-    (the worker clears it first thing)."""
+    """Hold SIGINT and SIGTERM that arrive during the block: the first of them is raised
+    again once it ends, to the handler that was in place before (a KeyboardInterrupt
+    there, say, or the default SIGTERM's exit). Python runs signal handlers in the main
+    thread only, so elsewhere nothing can interrupt the block and nothing is held. A
+    signal mask would not do: the kernel hands a process-wide signal to any thread that
+    does not block it, and the handler then runs in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        got.append(signum)
+
+    old = {}
+    for s in INTERRUPTS:
+        h = signal.getsignal(s)
+        if h is not None:  # None: set outside Python, which could not put it back
+            old[s] = h
+            signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])
+
+
+@contextmanager
+def children_start_held() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread while the block starts child processes:
+    they inherit the mask, so such a signal that reaches one while Python starts up (a
+    Ctrl-C goes to the whole process group) waits until it calls
+    :func:`unblock_interrupts`, its handlers in place, instead of ending it with a fatal
+    error in its site import."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_interrupts() -> None:
+    """A child's side of :func:`children_start_held` (a no-op in a process started
+    otherwise)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
 
 
 class Worker:
@@ -68,9 +108,10 @@ class Worker:
         # that no one can stop or answer, and that prints a BrokenPipeError on the shared
         # terminal once it is ready: held until the process and its end are ours.
         with interrupts_held():
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flashtune.autotune._worker", str(fd)],
-                pass_fds=(fd,), env=self._env(), stdin=subprocess.DEVNULL)
+            with children_start_held():
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "flashtune.autotune._worker", str(fd)],
+                    pass_fds=(fd,), env=self._env(), stdin=subprocess.DEVNULL)
             theirs.close()
             self.conn = Connection(ours.detach())
         self.starts += 1

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from flashtune._env import interpreting
+from flashtune.autotune._isolation import unblock_interrupts
 
 
 def _clock_sampler(torch: Any) -> Any:
@@ -164,9 +165,7 @@ def _serve(conn: Connection) -> None:
 def main(argv: list[str]) -> None:
     # Ctrl-C goes to the whole process group; the parent decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The parent holds SIGINT and SIGTERM while it starts this process, which inherits
-    # that mask: a `kill` must still end it.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    unblock_interrupts()  # held while this process started (Worker.start)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a worker is stuck
     conn = Connection(int(argv[1]))
     try:

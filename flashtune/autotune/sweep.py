@@ -260,8 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import sys
 
+    from flashtune.autotune._isolation import unblock_interrupts
+
     interrupt_on_sigterm()
     try:
+        unblock_interrupts()  # held while this process started (the sweep's --gpus spawn)
         args = list(sys.argv[1:] if argv is None else argv)
         spec = json.loads(sys.stdin.read() if args[0] == "-" else args[0])
         opts = Options(**spec["options"])

@@ -190,11 +190,13 @@ def _parse_gpus(gpus: str | None) -> list[str]:
     return [str(int(g)) for g in ids]
 
 
-def _spawn_workers(gpus: list[str], sid: str, opts: Any, interpreter: bool,
-                   logdir: Path) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+def _spawn_workers(gpus: list[str], sid: str, opts: Any, interpreter: bool, logdir: Path,
+                   procs: list[tuple[str, subprocess.Popen[bytes], Path]]) -> None:
+    """Start one worker process per GPU, each listed in ``procs`` as soon as it exists."""
     from dataclasses import asdict
 
-    procs = []
+    from flashtune.autotune._isolation import children_start_held
+
     for g in gpus:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": g, "PYTHONUNBUFFERED": "1"}
         if interpreter:
@@ -204,14 +206,14 @@ def _spawn_workers(gpus: list[str], sid: str, opts: Any, interpreter: bool,
         with open(log, "wb") as f:
             # The spec (with the database URL and its password) goes through stdin: argv
             # is visible to every user in `ps`.
-            p = subprocess.Popen([sys.executable, "-m", "flashtune.autotune.sweep", "-"],
-                                 env=env, stdin=subprocess.PIPE, stdout=f,
-                                 stderr=subprocess.STDOUT)
+            with children_start_held():
+                p = subprocess.Popen([sys.executable, "-m", "flashtune.autotune.sweep", "-"],
+                                     env=env, stdin=subprocess.PIPE, stdout=f,
+                                     stderr=subprocess.STDOUT)
+        procs.append((g, p, log))
         assert p.stdin is not None
         p.stdin.write(spec.encode())
         p.stdin.close()
-        procs.append((g, p, log))
-    return procs
 
 
 def _check_gpus(gpus: list[str]) -> Any:
@@ -350,11 +352,17 @@ def _run(board: Any, sid: str, opts: Any, gpu_ids: list[str], interpreter: bool,
 
 def _run_children(gpu_ids: list[str], sid: str, opts: Any, interpreter: bool) -> list[str]:
     """Run one worker process per GPU; returns a line per worker that failed."""
+    from flashtune.autotune._isolation import interrupts_held
     from flashtune.autotune.sweep import check_interrupted
 
     with tempfile.TemporaryDirectory(prefix="flashtune-sweep-") as tmp:
-        procs = _spawn_workers(gpu_ids, sid, opts, interpreter, Path(tmp))
+        procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         try:
+            # SIGINT and SIGTERM wait until every worker is started and listed: one inside
+            # Popen, or between two starts, would leave a worker tuning on that no one
+            # stops.
+            with interrupts_held():
+                _spawn_workers(gpu_ids, sid, opts, interpreter, Path(tmp), procs)
             for _, p, _ in procs:
                 while True:
                     try:

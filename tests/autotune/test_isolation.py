@@ -30,20 +30,18 @@ def _blocked(pid: int) -> int:
     raise AssertionError(f"no SigBlk line for {pid}")
 
 
-def _bit(sig: signal.Signals) -> int:
-    return 1 << (int(sig) - 1)
+INTERRUPT_BITS = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
 
 
 class _Stop(Exception):
     pass
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
 def test_an_interrupt_while_the_worker_starts_leaves_it_ours_to_stop(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGTERM sent the moment the child exists (as if it came inside Popen): it is handled
-    only once the worker's process and connection are the parent's, so close() ends it.
-    The worker itself runs with both signals unblocked."""
+    """SIGTERM sent the moment the child exists (as if it came inside Popen): it reaches
+    its handler only once the worker's process and connection are the parent's, so
+    close() ends it; the handlers are the caller's again afterwards."""
     started: list[subprocess.Popen[bytes]] = []
     real_popen = subprocess.Popen
 
@@ -63,19 +61,28 @@ def test_an_interrupt_while_the_worker_starts_leaves_it_ours_to_stop(
         with pytest.raises(_Stop):
             w.start()
         assert len(started) == 1 and w.proc is started[0] and w.conn is not None
-        assert not _blocked(os.getpid()) & (_bit(signal.SIGINT) | _bit(signal.SIGTERM))
+        assert signal.getsignal(signal.SIGTERM) is stop
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, old)
         w.close()
     assert started[0].poll() is not None, "the worker outlived close()"
 
-    # A worker started normally: ready, with SIGINT and SIGTERM not blocked.
-    monkeypatch.setattr(_isolation.subprocess, "Popen", real_popen)
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_the_worker_starts_with_interrupts_held_and_then_takes_them() -> None:
+    """SIGINT and SIGTERM are blocked while the worker starts (a Ctrl-C then cannot end
+    Python's start-up with a fatal error), and unblocked once it is ready: a SIGTERM
+    ends it. The parent's own mask is as it was."""
+    before = _blocked(os.getpid()) & INTERRUPT_BITS
     w = Worker(interpret=True)
     try:
         w.start()
         assert w.proc is not None
-        assert not _blocked(w.proc.pid) & (_bit(signal.SIGINT) | _bit(signal.SIGTERM))
+        assert not _blocked(w.proc.pid) & INTERRUPT_BITS
+        assert _blocked(os.getpid()) & INTERRUPT_BITS == before
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(timeout=30) == -signal.SIGTERM
     finally:
         w.close()
 

@@ -240,6 +240,57 @@ def test_gpus_runs_one_worker_process_per_gpu(tmp_path: Path) -> None:
     assert all(t["attempts"] == 1 for t in out["tasks"])
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_sigterm_while_the_gpu_workers_start_stops_every_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM sent the moment the first worker process exists (as Kubernetes sends it, to
+    the main process alone): it is handled once both are started and listed, both are
+    stopped, and no task is left running; none tunes on unseen."""
+    import signal
+
+    from flashtune.cli import sweep as cli_sweep
+
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, *args, **kw):  # type: ignore[no-untyped-def]
+        p = real_popen(cmd, *args, **kw)
+        if "flashtune.autotune.sweep" in cmd:  # (the fingerprint runs ptxas through Popen)
+            started.append(p)
+            if len(started) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return p
+
+    class Stray(Exception):
+        pass
+
+    def stray(signum, frame):  # type: ignore[no-untyped-def]
+        raise Stray  # only if the sweep's own handler was not in place
+
+    monkeypatch.setattr(cli_sweep.subprocess, "Popen", popen)
+    old = signal.signal(signal.SIGTERM, stray)
+    db = str(tmp_path / "t.db")
+    try:
+        res = CliRunner().invoke(main, [
+            "sweep", "--interpret", "--shapes", _shapes(tmp_path, [TINY, {**TINY, "causal": True}]),
+            "--direction", "fwd", "--trials", "200", "--gpus", "0,1", "--db", db])
+        alive = [p for p in started if p.poll() is None]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert res.exit_code == 143, (res.exception, res.stderr[-2000:])
+    assert len(started) == 2 and not alive, "a worker went on after the sweep exited"
+    # Each got the SIGINT passed on, held while it started until its handlers were in
+    # (not a fatal error in Python's start-up): 130, no task kept.
+    assert [p.returncode for p in started] == [130, 130], [p.returncode for p in started]
+    with Board(f"sqlite:///{db}") as b:
+        (sid,) = b.sweep_ids()
+        assert {t.state for t in b.tasks(sid)} == {"pending"}
+
+
 def test_bad_gpus_option(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["sweep", "--interpret", "--gpus", "0,x",
                                     "--db", str(tmp_path / "t.db")])

@@ -90,8 +90,9 @@ def test_worker_argv_carries_no_database_password(tmp_path: Path,
 
     monkeypatch.setattr(cli_sweep.subprocess, "Popen", FakePopen)
     opts = Options(db_url="postgresql+psycopg://flash:s3cr3t-pw@db.example/tune", trials=1)
-    cli_sweep._spawn_workers(["0", "1"], "sid", opts, True, tmp_path)
-    assert len(seen) == 2
+    procs: list[Any] = []
+    cli_sweep._spawn_workers(["0", "1"], "sid", opts, True, tmp_path, procs)
+    assert len(seen) == 2 and len(procs) == 2
     for argv, env in seen:
         assert not any("s3cr3t-pw" in a for a in argv), argv
         assert not any("s3cr3t-pw" in v for v in env.values())
