@@ -14,7 +14,19 @@ from flashtune._version import __version__
 from flashtune.cli import bench, db, info, report, sweep, tune, verify
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        # click turns a KeyboardInterrupt into "Aborted!" and status 1; a Ctrl-C that comes
+        # before a command installs its own handling (while a sweep still imports, say)
+        # exits 130, as it does after, and as shells report SIGINT.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flashtune")
 def main() -> None:
     """flashtune: autotuned Triton flash-attention kernels and their tuning database."""

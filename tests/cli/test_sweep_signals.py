@@ -135,3 +135,24 @@ def test_a_database_deleted_under_a_running_sweep_fails_it_loudly(tmp_path: Path
     assert p.returncode == 1, out[-3000:]
     assert "deleted or replaced while in use" in out and "Traceback" not in out, out[-3000:]
     assert not db.exists()
+
+
+def test_a_ctrl_c_before_a_command_handles_it_exits_130_not_aborted() -> None:
+    """click reports a KeyboardInterrupt as "Aborted!" with status 1; the group makes it
+    130, the status a sweep gives after its own handling (a Ctrl-C while it imports)."""
+    import click
+    from click.testing import CliRunner
+
+    from flashtune.cli import main
+
+    @click.command("interrupted-early")
+    def early() -> None:
+        raise KeyboardInterrupt
+
+    main.add_command(early)
+    try:
+        res = CliRunner().invoke(main, ["interrupted-early"])
+    finally:
+        main.commands.pop("interrupted-early")
+    assert res.exit_code == 130, (res.exception, res.output)
+    assert "interrupted" in res.stderr and "Aborted" not in res.output
