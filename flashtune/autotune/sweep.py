@@ -228,19 +228,31 @@ def interrupt_on_sigterm() -> Callable[[], None]:
     main thread, so the task in hand goes back to pending and the process exits cleanly.
     Returns a function that puts the previous handlers back."""
     import signal
+    import sys
 
     def handler(signum: int, frame: Any) -> None:
         _received.append(signal.Signals(signum).name)
         raise KeyboardInterrupt
 
+    # An interrupt lost in a weakref callback or a __del__ goes to sys.unraisablehook,
+    # whose default prints "Exception ignored in ..." and a traceback on the terminal:
+    # not for this one, which check_interrupted raises again at the sweep's next event.
+    passed_on = sys.unraisablehook
+
+    def unraisable(u: Any) -> None:
+        if not (isinstance(u.exc_value, KeyboardInterrupt) and _received):
+            passed_on(u)
+
     _received.clear()
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    sys.unraisablehook = unraisable
     _armed[0] = True
 
     def restore() -> None:
         _armed[0] = False
         for s, h in old.items():
             signal.signal(s, h)
+        sys.unraisablehook = passed_on
 
     return restore
 
