@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -75,3 +76,13 @@ def _no_stray_misses() -> None:
 
     with _misses.recorder._writing:  # a write in flight finishes first
         _misses.recorder._take()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_back() -> Iterator[None]:
+    """Give the caching allocator's free blocks back to the GPU after each test: under
+    pytest-xdist several processes share one GPU, and a process that once held an S=16k
+    reference (tens of GiB) would otherwise keep it from the others for the whole run."""
+    yield
+    if _HAS_CUDA and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -167,11 +167,14 @@ def device_info(device: Any = None) -> DeviceInfo:
 
 
 HOST_ONLY_MODULES = frozenset({"__init__.py", "_autograd.py", "_plans.py", "_bound.py",
-                               "_native.py", "attention.py", "varlen.py"})
+                               "_native.py", "attention.py", "varlen.py", "reference.py"})
 """The kernel package's modules that hold no kernel and decide nothing of a launch: the
 public entry points and their validation (``attention.py``, ``varlen.py``), the autograd
-and custom-op wiring, the per-signature plans, the binding of compiled kernels and the C++
-backward node that replays bound launches as they were prepared (``_native.py``). What a
+and custom-op wiring, the per-signature plans, the binding of compiled kernels, the C++
+backward node that replays bound launches as they were prepared (``_native.py``), and the
+correctness gate's fp32 reference in PyTorch (``reference.py``: it judges a config's
+outputs and is imported by no kernel module, so an edit there, such as a tighter error
+floor for the tests, changes no config's code or launch). What a
 config compiles to (the jit sources, their constexprs and launch options) and how it is
 launched (grids, scalars, buffers) are decided in the other modules, so a change here
 cannot change a tuned result's code or its launch (only the host time around it), and
@@ -182,11 +185,10 @@ launch."""
 
 BWD_ONLY_MODULES = frozenset({"attn_bwd.py", "attn_bwd_hopper.py", "_bwd_common.py"})
 """The backward's own modules: no module of the forward (its kernels, their launch, the
-config rules, the masking helpers) imports them, and ``reference.py`` only inside the
-backward's branch of its check, so the forward's generated code and launches cannot depend
-on them, and a forward result's freshness ignores them (``tests/db/test_fingerprint.py``
-checks the imports). The backward imports the forward's modules, so a backward result's
-hash covers everything."""
+config rules, the masking helpers) imports them, so the forward's generated code and
+launches cannot depend on them, and a forward result's freshness ignores them
+(``tests/db/test_fingerprint.py`` checks the imports). The backward imports the forward's
+modules, so a backward result's hash covers everything."""
 
 
 def kernels_hash(root: Path = _KERNELS_DIR, direction: str | None = None) -> str:

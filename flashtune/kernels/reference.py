@@ -166,33 +166,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     """
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap)
-    hq, hk = q.shape[1], k.shape[1]  # (B, H, S, D) dense, (total, H, D) packed
-    group = hq // hk
-    # Slices: (q-side view, k-side view, lse view), each a function of a full tensor.
-    Take = Callable[[torch.Tensor], torch.Tensor]
-    slices: list[tuple[Take, Take, Take]] = []
-    if cu_seqlens_q is not None:
-        assert cu_seqlens_k is not None
-        lse_full = torch.empty(hq, q.shape[0], device=q.device)
-        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
-            step = _heads_per_slice(hk, group, (qb - qa) * (kb - ka))
-            for h0 in range(0, hk, step):
-                h1 = min(hk, h0 + step)
-                slices.append((
-                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: _seq(t[:, x:y], a, b),
-                    lambda t, a=ka, b=kb, x=h0, y=h1: _seq(t[:, x:y], a, b),
-                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: t[None, x:y, a:b]))
-    else:
-        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-        lse_full = torch.empty(b, hq, sq, device=q.device)
-        step = _heads_per_slice(hk, group, sq * sk, batch=b)
-        whole = step == hk and b * hq * sq * sk <= REF_CHUNK_SCORES
-        for bi in [slice(None)] if whole else [slice(i, i + 1) for i in range(b)]:
-            for h0 in range(0, hk, step):
-                h1 = min(hk, h0 + step)
-                slices.append((lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y],
-                               lambda t, i=bi, x=h0, y=h1: t[i, x:y],
-                               lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y]))
+    slices = _slices(q, k, cu_seqlens_q, cu_seqlens_k)
+    hq = q.shape[1]
+    lse_full = (torch.empty(hq, q.shape[0], device=q.device) if cu_seqlens_q is not None
+                else torch.empty(q.shape[0], hq, q.shape[2], device=q.device))
     ref = Reference(torch.empty(q.shape, device=q.device), lse_full,
                     None if do is None else (torch.empty(q.shape, device=q.device),
                                              torch.empty(k.shape, device=q.device),
@@ -204,6 +181,43 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
         for name, e in terrs.items():
             ref.torch_errors[name] = max(ref.torch_errors.get(name, 0.0), e)
     return ref
+
+
+Take = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _slices(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+            cu_seqlens_k: torch.Tensor | None) -> list[tuple[Take, Take, Take]]:
+    """The pieces a reference of these inputs is computed in, each as three functions of a
+    full tensor: its query-side and key-side views, (B', H', S', D) each, and its LSE
+    view, (B', H', S'). Dense (B, H, S, D) inputs: whole where the scores fit
+    REF_CHUNK_SCORES, else one batch entry and a group of KV heads (with their query
+    heads) at a time. Packed ones ((total, H, D), LSE (Hq, total)): one sequence at a
+    time, split by heads the same way."""
+    hq, hk = q.shape[1], k.shape[1]
+    group = hq // hk
+    slices: list[tuple[Take, Take, Take]] = []
+    if cu_seqlens_q is not None:
+        assert cu_seqlens_k is not None
+        for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+            step = _heads_per_slice(hk, group, (qb - qa) * (kb - ka))
+            for h0 in range(0, hk, step):
+                h1 = min(hk, h0 + step)
+                slices.append((
+                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: _seq(t[:, x:y], a, b),
+                    lambda t, a=ka, b=kb, x=h0, y=h1: _seq(t[:, x:y], a, b),
+                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: t[None, x:y, a:b]))
+        return slices
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    step = _heads_per_slice(hk, group, sq * sk, batch=b)
+    whole = step == hk and b * hq * sq * sk <= REF_CHUNK_SCORES
+    for bi in [slice(None)] if whole else [slice(i, i + 1) for i in range(b)]:
+        for h0 in range(0, hk, step):
+            h1 = min(hk, h0 + step)
+            slices.append((lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y],
+                           lambda t, i=bi, x=h0, y=h1: t[i, x:y],
+                           lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y]))
+    return slices
 
 
 def _heads_per_slice(hk: int, group: int, scores_per_head: int, batch: int = 1) -> int:
@@ -232,7 +246,8 @@ def flash_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Te
     """The max errors in dq, dk and dv of a FlashAttention backward computed in fp32 but for
     the roundings the algorithm itself makes, given ``out``, a candidate forward's output
     as stored; dense (B, H, S, D) inputs or, with ``cu_seqlens_*``, a packed batch, one
-    sequence at a time. Meant for small problems (it holds every score).
+    sequence at a time; in the reference's slices (a few fp32 copies of one slice's
+    scores at a time).
 
     The roundings, to the inputs' dtype: the output, from which delta = rowsum(dO * O) is
     formed (an output off by e per element moves delta_i by rowsum(dO * e) and the score
@@ -242,13 +257,9 @@ def flash_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Te
     fall well short of these, which any FlashAttention backward given ``out`` makes."""
     kw: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap)
-    if cu_seqlens_q is None:
-        return _flash_errors(q, k, v, do, out, kw)
-    assert cu_seqlens_k is not None
     worst = {"dq": 0.0, "dk": 0.0, "dv": 0.0}
-    for qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
-        errs = _flash_errors(_seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb),
-                             _seq(do, qa, qb), _seq(out, qa, qb), kw)
+    for qs, ks, _ls in _slices(q, k, cu_seqlens_q, cu_seqlens_k):
+        errs = _flash_errors(qs(q), ks(k), ks(v), qs(do), qs(out), kw)
         worst = {name: max(worst[name], e) for name, e in errs.items()}
     return worst
 

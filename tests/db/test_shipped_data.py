@@ -8,6 +8,7 @@ from collections import defaultdict
 
 from flashtune.autotune.presets import preset
 from flashtune.db.exchange import _shipped
+from flashtune.db.fingerprint import kernels_hash
 
 SHIPPED_PRESETS = ("standard", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b", "gpt2",
                    "llama3-8b-packed")
@@ -18,9 +19,14 @@ def test_shipped_layer_covers_every_preset_problem_on_every_device() -> None:
     assert layer, "the package ships no tuning data"
     # One tree shipped: every device's entries from the same kernel sources, each direction
     # under one hash (a forward result may carry the forward's own, docs/database.md).
+    # And that hash is this tree's: an edit to a hashed kernel file without a re-sweep
+    # (or a relabelling on proof of unchanged code) would leave a fresh install untuned.
     for direction in ("fwd", "bwd"):
         hashes = {r.software.kernels_hash for r in layer if r.key.direction == direction}
         assert len(hashes) == 1, (direction, sorted(h[:12] for h in hashes))
+        assert hashes == {kernels_hash(direction=direction)}, (
+            f"the shipped {direction} entries are stale on this tree: tuned on kernels hash "
+            f"{next(iter(hashes))[:12]}, this tree's is {kernels_hash(direction=direction)[:12]}")
     by_device: dict[str, list] = defaultdict(list)
     for r in layer:
         by_device[r.device.fingerprint].append(r)

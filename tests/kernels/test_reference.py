@@ -69,9 +69,8 @@ def test_sliced_packed_reference_equals_whole(monkeypatch: pytest.MonkeyPatch,
     torch.testing.assert_close(dense.grads[1][0].transpose(0, 1), whole.grads[1][a:b])
 
 
-
-
-def test_flash_errors_match_a_hand_written_backward(seed: int) -> None:
+def test_flash_errors_match_a_hand_written_backward(monkeypatch: pytest.MonkeyPatch,
+                                                    seed: int) -> None:
     """``flash_errors``: each gradient's max difference between two fp64 backwards written
     out by hand, one exact and one that forms delta = rowsum(dO * O) from a given output
     and rounds P (for dV) and dS (for dQ and dK) to bfloat16; GQA, soft-capping, a window
@@ -127,3 +126,17 @@ def test_flash_errors_match_a_hand_written_backward(seed: int) -> None:
     packed = reference.flash_errors(*(pack(x) for x in (q, k, v, do, out)), cu_seqlens_q=cu_q,
                                     cu_seqlens_k=cu_k, **kw)
     assert packed == pytest.approx(got, rel=1e-5)
+    # In the reference's slices (at S=16k one piece would hold tens of GiB of scores):
+    # one batch entry and KV head at a time here, with the same errors.
+    pieces = []
+    whole_fn = reference._flash_errors
+
+    def counted(q: torch.Tensor, *args: object) -> dict[str, float]:
+        pieces.append(tuple(q.shape))
+        return whole_fn(q, *args)
+
+    monkeypatch.setattr(reference, "_flash_errors", counted)
+    monkeypatch.setattr(reference, "REF_CHUNK_SCORES", (hq // hk) * sq * sk)
+    sliced = reference.flash_errors(q, k, v, do, out, **kw)
+    assert pieces == [(1, hq // hk, sq, d)] * (b * hk)
+    assert sliced == pytest.approx(got, rel=1e-5)
