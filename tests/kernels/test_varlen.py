@@ -60,8 +60,10 @@ def check_varlen(lens_q: list[int], lens_k: list[int], hq: int, hk: int, d: int,
     q, k, v, do = make_packed(lens_q, lens_k, hq, hk, d, dtype, device, gen)
     packed = Packed(cu_seqlens(lens_q, device), cu_seqlens(lens_k, device), max(lens_q),
                     max(lens_k))
+    # The packed problem, as the entry points make it: its defaults are a packed batch's
+    # (a dense problem's Hopper forward may take defer_o, which a packed batch refuses).
     p = Problem(len(lens_q), hq, hk, max(max(lens_q), 1), max(max(lens_k), 1), d, dtype, causal,
-                window, softcap)
+                window, softcap, total_q=sum(lens_q), total_k=sum(lens_k))
     kw = dict(causal=causal, sm_scale=default_scale(d), window=window, softcap=softcap,
               packed=packed)
     o, lse = attn_fwd(q, k, v, config=fwd or default_fwd(p), **kw)
