@@ -9,10 +9,13 @@ after another). Prints a table of TFLOP/s and
 flashtune/anchor ratios, and the bf16 matmul ceiling measured in the same run; writes
 full JSON with GPU, versions and date.
 
-``--bwd-variants 0,1,2`` also times the backward of each portable backward variant
+``--bwd-variants 0,1,2,3`` also times the backward of each backward variant
 (``BwdConfig.variant``: 0 two kernels, 1 atomic dQ with ``deterministic=False``, 2 one
-launch; the default's tiles, same forward) as impls ``bwd0``, ``bwd1``, ``bwd2``, and prints
-each one's backward against the anchors.
+launch, with the portable default's tiles; 3 the Hopper kernel's default config, fixed dQ
+order; same forward) as impls ``bwd0`` to ``bwd3``, and prints each one's backward against
+the anchors. A variant a shape cannot run (3 off sm90, say) is reported as its error.
+``--seqlens 512,1000 --bwd-variants 0,3`` times the Hopper backward below the default's
+rule (1024 queries and keys), beside the portable one that those shapes are served.
 
     python benchmarks/bench_attention.py --out bench.json
     python benchmarks/bench_attention.py --impls cudnn,fa2,flex --bwd-variants 0,1,2
@@ -31,9 +34,11 @@ from typing import Any
 
 import torch
 
+from flashtune.exceptions import InfeasibleConfigError
 from flashtune.kernels.attention import flash_attention
 from flashtune.kernels.config import (
     BWD_ATOMIC,
+    BWD_HOPPER,
     BWD_ONE_LAUNCH,
     BWD_TWO_KERNEL,
     FwdConfig,
@@ -87,8 +92,12 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
     if "default" in impls:
         fns["default"] = lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
                                                          config=(fcfg, bcfg))
+    unavailable: dict[str, str] = {}
     for variant in bwd_variants:
-        fns[f"bwd{variant}"] = bwd_variant_fn(p, fcfg, variant)
+        try:
+            fns[f"bwd{variant}"] = bwd_variant_fn(p, fcfg, variant)
+        except InfeasibleConfigError as e:  # e.g. the Hopper kernel off sm90
+            unavailable[f"bwd{variant}"] = f"InfeasibleConfigError: {e}"[:200]
     if "portable" in impls:
         pcfg = default_portable_fwd(p)
         fns["portable"] = lambda q, k, v: flash_attention(q, k, v, causal=p.causal,
@@ -102,7 +111,8 @@ def bench_problem(p: Problem, impls: list[str], flex: bool, warmup: float, rep: 
             fns[name] = fn
     row: dict[str, Any] = {"problem": p.as_dict(), "label": _label(p),
                            "fwd_config": repr(fcfg),
-                           "flops": {"fwd": p.flops("fwd"), "bwd": p.flops("bwd")}, "impls": {}}
+                           "flops": {"fwd": p.flops("fwd"), "bwd": p.flops("bwd")},
+                           "impls": {name: {"error": e} for name, e in unavailable.items()}}
     def entry(t: dict[str, Any]) -> dict[str, Any]:
         return {"fwd_tflops": t["fwd"].tflops(p.flops("fwd")),
                 "bwd_tflops": t["bwd"].tflops(p.flops("bwd")),
@@ -147,7 +157,7 @@ def main() -> None:
                     help="FlexAttention compiles per shape: time it only at these S")
     ap.add_argument("--seqlens", default="", help="restrict the matrix to these S")
     ap.add_argument("--bwd-variants", default="",
-                    help="also time these backward variants (comma list among 0,1,2)")
+                    help="also time these backward variants (comma list among 0,1,2,3)")
     ap.add_argument("--warmup", type=float, default=25.0)
     ap.add_argument("--rep", type=float, default=100.0)
     ap.add_argument("--in-turn", action="store_true",
@@ -160,9 +170,10 @@ def main() -> None:
     flex_s = {int(s) for s in args.flex_seqlens.split(",") if s}
     only = {int(s) for s in args.seqlens.split(",") if s}
     variants = tuple(int(x) for x in args.bwd_variants.split(",") if x)
-    bad = [x for x in variants if x not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH)]
+    bad = [x for x in variants
+           if x not in (BWD_TWO_KERNEL, BWD_ATOMIC, BWD_ONE_LAUNCH, BWD_HOPPER)]
     if bad:
-        sys.exit(f"--bwd-variants: {bad} are not portable backward variants (allowed: 0,1,2)")
+        sys.exit(f"--bwd-variants: {bad} are not backward variants (allowed: 0,1,2,3)")
     rows = []
     for p in standard_matrix():
         if only and p.seqlen_q not in only:
