@@ -17,6 +17,14 @@ ran both kernels as one launch (12 of 15), and grew the dK/dV tile's query rows 
 head dim 128 (9 of 11) or shrank its key rows and the dQ tile's query rows at head dim 64
 (4 of 4).
 
+The register caps of the portable points at head dim 64 come from the shipped layer's
+sweeps (session 45's count of ``flashtune/data/shipped.json``; BENCHMARKS.md, issue 17,
+session 45): of its 17 portable backward winners at head dim 64 on the H100 and the H200,
+10 of the 13 causal ones cap the registers at 168 and 3 of the 4 others at 255, and the
+budget check's one problem there whose 12 s search missed its 60 s one by 5% (in sessions
+18 and 45) missed exactly the cap. At head dim 128 the winners leave the cap to the
+compiler (20 of 23), and no capped point is added.
+
 A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
 in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
 128-row query tiles ran 1.22-1.40x its default 64-row ones and, at 16k keys, 1.13x the
@@ -69,6 +77,14 @@ def _tiles(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"dkdv_block_n": _shrink(c["dkdv_block_n"]), "dq_block_m": _shrink(c["dq_block_m"])}
 
 
+def _cap(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """A register cap at head dim <= 64: 168 when causal, else 255 (the shipped winners);
+    nothing at larger head dims."""
+    if p.head_dim > 64:
+        return {}
+    return {"maxnreg": 168 if p.causal else 255}
+
+
 def _hopper_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The Hopper backward: 128 query rows per step at head dim 64 (at 128 a consumer has
     no registers for them), with K and V read from shared memory as when the prior was
@@ -81,7 +97,9 @@ def _hopper_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 # applied in order to that variant's heuristic tiles; the most likely first.
 BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
     9: [
+        (BWD_ONE_LAUNCH, (_dq_wide, _tiles, _cap)),
         (BWD_ONE_LAUNCH, (_dq_wide, _tiles)),
+        (BWD_TWO_KERNEL, (_dq_wide, _tiles, _cap)),
         (BWD_TWO_KERNEL, (_dq_wide, _tiles)),
         (BWD_ONE_LAUNCH, (_dq_wide,)),
         (BWD_TWO_KERNEL, (_dq_wide,)),

@@ -504,8 +504,17 @@ def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
     assert first["variant"] == BWD_ONE_LAUNCH
     if head_dim > 64:
         assert first["dkdv_block_m"] == 2 * base["dkdv_block_m"]
+        # No register cap at head dim 128: the compiler's choice, as the winners left it.
+        assert all(pt["maxnreg"] == 0 for pt in points)
     else:
         assert first["dkdv_block_n"] == base["dkdv_block_n"] // 2
+        # At head dim 64 the first point caps the registers (168 when causal, 255 when
+        # not, as the shipped winners did), and the same point uncapped follows it.
+        assert first["maxnreg"] == 168
+        assert points[1] == {**first, "maxnreg": 0}
+        open_p = Problem(batch=3, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000,
+                         head_dim=head_dim)
+        assert prior_points("bwd", open_p, "9.0")[0]["maxnreg"] == 255
     # A short sequence keeps its tiles within the rows it has, and in the space.
     short = Problem(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=head_dim)
     short_points = prior_points("bwd", short, "9.0")
