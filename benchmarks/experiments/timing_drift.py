@@ -6,7 +6,10 @@ favour some positions?
 
 For each row of a ``tune_autotuner.py quality`` file, three or four configs: the
 exhaustive search's winner, the tuner's winner, and the fastest trial of each kernel
-family (portable, Hopper) in the tuner's trials.
+family (portable, Hopper) in the tuner's trials. For a row of a ``budget`` file, the
+short and the long search's winners (``--block head`` picks a run of a file that keeps
+several), to see whether a near tie ranks one way in a trial's first milliseconds and the
+other under the re-timing's sustained load.
 
 - **Timeline.** After ``--idle-s`` of an idle GPU, each config runs back to back for
   ``--span-ms`` (L2 flushed before each launch, CUDA events around it, as every
@@ -46,6 +49,11 @@ WINDOWS = ((0, 2), (2, 5), (5, 10), (10, 25), (25, 50), (50, 125), (125, 200), (
 
 def _configs(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
     d = row["direction"]
+    if "short_config" in row:  # a ``tune_autotuner.py budget`` row: its two winners
+        out = {"short": row["short_config"]}
+        if row["long_config"] != row["short_config"]:
+            out["long"] = row["long_config"]
+        return out
     out = {"exhaustive": row["exhaustive_config"], "tuner": row["tpe_config"]}
     ok = sorted((t for t in row["tpe_trials_log"] if t["status"] == "ok"),
                 key=lambda t: t["value_ms"])
@@ -130,9 +138,13 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--idle-s", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--block", default="",
+                    help="the block of a file that keeps several runs (budget_*_s45.json)")
     ap.add_argument("--positions-only", action="store_true", help="skip the timelines")
     args = ap.parse_args(argv)
     data = json.load(open(args.file))
+    if args.block:
+        data = data[args.block]
     report: list[dict[str, Any]] = []
     smi = _Smi()
     marks: list[tuple[str, str, float, float]] = []  # row, config, wall from, to
