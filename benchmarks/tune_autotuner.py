@@ -39,6 +39,8 @@
   compiled, as a sweep's forward task of that shape compiles it before the backward's:
   otherwise the short search, run first, paid that compile (1.4-4.3 s of 12 on the H200)
   and the long one found it cached (``warm_forward_s`` in the row).
+  ``--against FILE`` runs only the short searches and judges each against the winners
+  an earlier budget file stored for its problem, re-timed in this run.
 
 Every run uses an in-memory tuning database (nothing is stored on the host), without
 the shipped layer's seeds (each search starts from the default, as on a new GPU), and
@@ -411,6 +413,52 @@ def cmd_cost(args: argparse.Namespace) -> None:
         print(f"median trial cost {d}: {statistics.median(xs):.2f} s (median over problems)")
 
 
+def _stored_winners(path: str, direction: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """An earlier budget file's winners per problem label: ("BLOCK long" or "BLOCK short",
+    config) for every block of the file (a file of one run is the block "run")."""
+    data = json.loads(Path(path).read_text())
+    blocks = {"run": data} if "rows" in data else {
+        k: v for k, v in data.items() if isinstance(v, dict) and "rows" in v}
+    out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for name, block in blocks.items():
+        for r in block["rows"]:
+            if r["direction"] == direction:
+                for which in ("long", "short"):
+                    out.setdefault(r["problem"], []).append(
+                        (f"{name} {which}", r[f"{which}_config"]))
+    return out
+
+
+def _budget_against(sess: TuneSession, d: str, p: Problem,
+                    stored: list[tuple[str, dict[str, Any]]], short: Any,
+                    short_log: list[dict[str, Any]], prep: list[dict[str, Any]],
+                    warm_fwd: float) -> dict[str, Any]:
+    """A short search judged against an earlier run's winners of the same problem: the
+    new winner and every distinct stored one re-timed side by side in this process
+    (9 rounds' worth, interleaved); "gap" is the new winner over the fastest stored
+    long search's winner, "stored_short_gaps" the earlier short winners' own gaps in
+    the same re-timing."""
+    cs = config_to_dict(short.config)
+    configs = [cs]
+    for _name, c in stored:
+        if c not in configs:
+            configs.append(c)
+    ms = _retime(sess, p, d, configs, rounds=9)
+    of = {json.dumps(c, sort_keys=True): t for c, t in zip(configs, ms, strict=True)}
+    timed = [(name, of[json.dumps(c, sort_keys=True)]) for name, c in stored]
+    best_long = min(t for name, t in timed if name.endswith(" long"))
+    return {"direction": d, "problem": _label(p), "short_trials": short.trials,
+            "short_s": short.search_seconds, "short_ms": ms[0], "long_ms": best_long,
+            "gap": ms[0] / best_long - 1, "same_config": cs in [c for _n, c in stored],
+            "stored_ms": dict(timed),
+            "stored_short_gaps": {n: t / best_long - 1 for n, t in timed
+                                  if n.endswith(" short")},
+            "short_variant": cs.get("variant"), "short_winner": short.winner_source,
+            "short_stop": short.stop_reason, "short_infeasible": short.infeasible,
+            "short_config": cs, "short_prepare": prep, "warm_forward_s": warm_fwd,
+            "short_trials_log": short_log}
+
+
 def cmd_budget(args: argparse.Namespace) -> None:
     if not args.time_budget:
         raise SystemExit("budget needs --time-budget S (the short search's seconds)")
@@ -418,6 +466,9 @@ def cmd_budget(args: argparse.Namespace) -> None:
     probs = BUDGET_PROBLEMS[args.start:]
     if args.limit:
         probs = probs[: args.limit]
+    if args.against:
+        _cmd_budget_against(args, probs)
+        return
     with TuneSession(compile_workers=args.workers) as sess:
         # As a sweep does before its first task: the worker's and the compile processes'
         # one-time start (imports, CUDA context) is not charged to the first short search.
@@ -476,6 +527,50 @@ def cmd_budget(args: argparse.Namespace) -> None:
         print(f"worst gap: {max(r['gap'] for r in rows):+.1%}")
 
 
+def _cmd_budget_against(args: argparse.Namespace, probs: list[Problem]) -> None:
+    """``budget --against FILE``: only the short searches, each judged against the winners
+    FILE stored for its problem (see :func:`_budget_against`): a change to the search's
+    start (the priors) is checked in a fifth of the device time a full check takes. The
+    long searches are the earlier run's, on the kernels and search of that run."""
+    rows = []
+    with TuneSession(compile_workers=args.workers) as sess:
+        sess.warm()
+        for d in args.directions.split(","):
+            stored = _stored_winners(args.against, d)
+            for p in probs:
+                if _label(p) not in stored:
+                    continue
+                short_log: list[dict[str, Any]] = []
+                prep: list[dict[str, Any]] = []
+                warm_fwd = 0.0
+                if d == "bwd" and sess.pool is not None:
+                    t1 = time.perf_counter()
+                    sess.pool.submit(p.as_dict(), "fwd",
+                                     config_to_dict(default_config("fwd", p))).result()
+                    warm_fwd = time.perf_counter() - t1
+                short = tune(p, d, time_budget=args.time_budget, storage="sqlite://",
+                             session=sess, store=False, **NO_SHIPPED, seed=args.seed,
+                             progress=_trial_log(short_log, prep))
+                row = _budget_against(sess, d, p, stored[_label(p)], short, short_log,
+                                      prep, warm_fwd)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if not k.endswith("_log")}),
+                      flush=True)
+                _write(Path(args.out), f"budget_against_{args.directions.replace(',', '_')}"
+                       f"_from{args.start}", {"env": _env_info(), "rows": rows,
+                                              "against": Path(args.against).name,
+                                              "time_budget": args.time_budget})
+    print(f"\n{'dir':4} {'problem':28} {'trials':>6} {'new ms':>9} {'long ms':>9} {'gap':>6} "
+          f"{'earlier short gaps':>20}")
+    for r in rows:
+        old = " ".join(f"{g:+.1%}" for g in r["stored_short_gaps"].values())
+        print(f"{r['direction']:4} {r['problem']:28} {r['short_trials']:>6} "
+              f"{r['short_ms']:>9.4f} {r['long_ms']:>9.4f} {r['gap']:+6.1%} {old:>20}")
+    if rows:
+        print(f"worst gap: {max(r['gap'] for r in rows):+.1%}; within 2%: "
+              f"{sum(r['gap'] <= 0.02 for r in rows)} of {len(rows)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["parallel", "quality", "vs-default", "cost", "budget"])
@@ -494,6 +589,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="quality: the sub-grid searched exhaustively")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="cost: a label for the output file and table")
+    ap.add_argument("--against", default="",
+                    help="budget: judge only short searches against this earlier budget "
+                         "file's winners")
     ap.add_argument("--factor", type=float, default=5.0,
                     help="budget: the long search's budget over the short one's")
     args = ap.parse_args(argv)
