@@ -25,6 +25,18 @@ budget check's one problem there whose 12 s search missed its 60 s one by 5% (in
 18 and 45) missed exactly the cap. At head dim 128 the winners leave the cap to the
 compiler (20 of 23), and no capped point is added.
 
+The Hopper backward's deeper point (three Q/dO stages, 232 registers a consumer) comes
+from the same check in session 45 (``benchmarks/data/budget_bwd_h200_s45.json``): of the
+nine 60 s searches that ended on the Hopper backward, five took three stages and five took
+232 registers (four both), while all eight 12 s searches that ended there kept the
+default's two stages, two of them without trying three at all. As a prior (session 46,
+``benchmarks/data/budget_against_bwd_h200_s46.json``: 12 s searches judged against the
+stored 60 s winners in one re-timing) it is tried fifth or sixth; two short searches ended
+on it or its polish (B4 H32/8 S4096 D128 causal, B32 H16 S512 D128, within 0.2% of the long
+winners), and the check stayed at six of eight within 2%. At B1 H16 S16384 D128 causal its
+trial read 2% slower than the default while the re-timing puts a three-stage config 3%
+ahead: a ranking the trials and the re-timing disagree on, which no start point fixes.
+
 A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
 in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
 128-row query tiles ran 1.22-1.40x its default 64-row ones and, at 16k keys, 1.13x the
@@ -93,6 +105,11 @@ def _hopper_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_block_m": 128, "hopper_kv_regs": 0} if p.head_dim <= 64 else {}
 
 
+def _hopper_deep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The Hopper backward: a third Q/dO stage, consumers capped at 232 registers."""
+    return {"hopper_stages": 3, "hopper_regs": 232}
+
+
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
 BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
@@ -104,6 +121,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_ONE_LAUNCH, (_dq_wide,)),
         (BWD_TWO_KERNEL, (_dq_wide,)),
         (BWD_HOPPER, (_hopper_rows,)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_deep)),
     ],
 }
 

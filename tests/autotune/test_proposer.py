@@ -531,11 +531,12 @@ def test_the_sm90_backward_prior_moves_the_default_where_long_searches_went(
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_dim_64(
         deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the Hopper backward can run, its prior point is its default with 128-row query
-    tiles at head dim 64 (the variant seeds carry only the default's 64) and K and V read
-    from shared memory, as the prior was measured (the default holds them in registers at
-    head dim 64 since session 42), last in the list; at head dim 128 such tiles cannot
-    run, and no Hopper point is added."""
+    """Where the Hopper backward can run, its prior points come last: at head dim 64 its
+    default with 128-row query tiles (the variant seeds carry only the default's 64) and K
+    and V read from shared memory, as the prior was measured (the default holds them in
+    registers at head dim 64 since session 42), then the same point one stage deeper with
+    232 registers a consumer, where the long searches went; at head dim 128, where such
+    tiles cannot run, only the deeper default."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -544,15 +545,19 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
                     head_dim=head_dim, deterministic=deterministic)
         points = prior_points("bwd", p, "9.0")
         hopper = [pt for pt in points if pt["variant"] == config.BWD_HOPPER]
-        if head_dim > 64:
-            assert hopper == []
-            continue
-        assert hopper == [points[-1]]
         base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
-        assert base["hopper_kv_regs"] == 1
-        assert hopper[0] == {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
-        assert config.is_feasible(config.BwdConfig(**hopper[0]), p)[0]
-        assert BWD.project(hopper[0]) == hopper[0]
+        deep = {"hopper_stages": 3, "hopper_regs": 232}
+        if head_dim > 64:
+            assert hopper == points[-1:] == [{**base, **deep}]
+        else:
+            assert hopper == points[-2:]
+            assert base["hopper_kv_regs"] == 1
+            rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
+            assert hopper == [rows, {**rows, **deep}]
+        for pt in hopper:
+            assert pt["hopper_stages"] in (base["hopper_stages"], 3)
+            assert config.is_feasible(config.BwdConfig(**pt), p)[0]
+            assert BWD.project(pt) == pt
 
 
 def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants() -> None:
