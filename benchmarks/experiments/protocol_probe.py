@@ -11,6 +11,8 @@ that differ in one thing each, ``--repeats`` times, and prints the short / long 
   steps prepared once) instead of the judge's (``Bench.fn``: a whole ``attn_bwd`` call);
 - ``scrub-mm``: as ``b2b``, with an untimed bf16 matmul (``--scrub-n`` cubed) between
   the flush and each launch: does any other kernel in between move the ranking?
+- ``scrub-other``: as ``b2b``, with the other config's launch, untimed, between the flush
+  and each launch (the judge's neighbours, in a loop that times one config);
 - ``inter``: the judge's loop (``flashtune.timing.time_interleaved``), one round.
 
 If ``scrub-mm`` ranks as ``inter`` does, what runs between two launches (cache state
@@ -101,13 +103,14 @@ def main(argv: list[str]) -> None:
         cfgs = [config_from_dict(d, row["short_config"]), config_from_dict(d, row["long_config"])]
         fns = [bench.fn(d, c) for c in cfgs]
         steps = [bench.launch(d, c) for c in cfgs]
-        res: dict[str, list[list[float]]] = {k: [] for k in
-                                             ("b2b", "b2b-steps", "scrub-mm", "inter")}
+        res: dict[str, list[list[float]]] = {k: [] for k in ("b2b", "b2b-steps", "scrub-mm",
+                                                              "scrub-other", "inter")}
         for _ in range(args.repeats):
             time.sleep(1.0)
             res["b2b"].append([_loop(f, None) for f in fns])
             res["b2b-steps"].append([_loop(f, None) for f in steps])
             res["scrub-mm"].append([_loop(f, scrub) for f in fns])
+            res["scrub-other"].append([_loop(fns[0], fns[1]), _loop(fns[1], fns[0])])
             res["inter"].append([t.median_ms for t in time_interleaved(fns)])
         print(f"\n{d} {row['problem']} on {torch.cuda.get_device_name()}")
         for k, reps in res.items():
