@@ -235,9 +235,10 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     (0 1 2, 2 1 0, 0 1 2, ...), each with L2 flushed before it and CUDA events around it.
 
     Timed one after another, even in five alternating rounds, four copies of one kernel
-    read up to 7% apart on an H200: its clocks sag as a sustained load meets the power
-    limit (the launches slow by up to 10% over the first 125 ms, by kernel), then dip
-    again at moments that recur with the load's age. Interleaved launch by launch,
+    read up to 7% apart on an H200: its clocks sag under a sustained load (the launches
+    slow by up to 10% over the first 125 ms, by kernel), then dip again at moments that
+    recur with the load's age. (The sag is not the board's power limit: in session 46 the
+    SM clock fell from 1,980 to 1,785-1,905 MHz at 250-300 W of 700.) Interleaved launch by launch,
     every candidate meets the same clocks. Each launch gets ``warmup_ms`` of warm-up
     and ``rounds`` x ``rep_ms`` of timed repetitions, by the estimate of a first cycle,
     as :func:`time_fn` gives one launch. Returns each one's median, p20 and p80 over its
