@@ -39,8 +39,8 @@
   compiled, as a sweep's forward task of that shape compiles it before the backward's:
   otherwise the short search, run first, paid that compile (1.4-4.3 s of 12 on the H200)
   and the long one found it cached (``warm_forward_s`` in the row).
-  ``--against FILE`` runs only the short searches and judges each against the winners
-  an earlier budget file stored for its problem, re-timed in this run.
+  ``--against FILE`` (repeatable) runs only the short searches and judges each against
+  the winners earlier budget files stored for its problem, re-timed in this run.
 
 Every run uses an in-memory tuning database (nothing is stored on the host), without
 the shipped layer's seeds (each search starts from the default, as on a new GPU), and
@@ -413,12 +413,17 @@ def cmd_cost(args: argparse.Namespace) -> None:
         print(f"median trial cost {d}: {statistics.median(xs):.2f} s (median over problems)")
 
 
-def _stored_winners(path: str, direction: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
-    """An earlier budget file's winners per problem label: ("BLOCK long" or "BLOCK short",
-    config) for every block of the file (a file of one run is the block "run")."""
-    data = json.loads(Path(path).read_text())
-    blocks = {"run": data} if "rows" in data else {
-        k: v for k, v in data.items() if isinstance(v, dict) and "rows" in v}
+def _stored_winners(paths: list[str], direction: str
+                    ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Earlier budget files' winners per problem label: ("BLOCK long" or "BLOCK short",
+    config) for every block of each file (a file of one run is the block "run"; a block
+    name repeated in a later file gets that file's name in front)."""
+    blocks: dict[str, Any] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for k, v in ({"run": data} if "rows" in data else data).items():
+            if isinstance(v, dict) and "rows" in v:
+                blocks[k if k not in blocks else f"{Path(path).stem}:{k}"] = v
     out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for name, block in blocks.items():
         for r in block["rows"]:
@@ -571,7 +576,8 @@ def _cmd_budget_against(args: argparse.Namespace, probs: list[Problem]) -> None:
                       flush=True)
                 _write(Path(args.out), f"budget_against_{args.directions.replace(',', '_')}"
                        f"_from{args.start}", {"env": _env_info(), "rows": rows,
-                                              "against": Path(args.against).name,
+                                              "against": [Path(a).name
+                                                          for a in args.against],
                                               "time_budget": args.time_budget})
     print(f"\n{'dir':4} {'problem':28} {'trials':>6} {'new ms':>9} {'long ms':>9} {'gap':>6} "
           f"{'earlier short gaps':>20}")
@@ -602,9 +608,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="quality: the sub-grid searched exhaustively")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="cost: a label for the output file and table")
-    ap.add_argument("--against", default="",
+    ap.add_argument("--against", action="append", default=[],
                     help="budget: judge only short searches against this earlier budget "
-                         "file's winners")
+                         "file's winners (repeat it to pool several files)")
     ap.add_argument("--with-finalists", action="store_true",
                     help="budget --against: the short search's finalists join the judge")
     ap.add_argument("--factor", type=float, default=5.0,
