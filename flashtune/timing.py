@@ -222,6 +222,128 @@ def time_parts(parts: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     return Timing(med, p20, p80), [_quantiles(x)[0] for x in per]
 
 
+@dataclass
+class Against:
+    """What :func:`time_against` measured: the candidate's own timing and the median of
+    each of its parts, the reference's timing from the same loop, and ``ratio``, the
+    median of the candidate's time over the reference's, launch pair by launch pair."""
+
+    timing: Timing
+    parts_ms: list[float]
+    ref: Timing
+    ratio: float
+    pairs: int
+
+
+def time_against(parts: Sequence[Callable[[], Any]], ref: Callable[[], Any], *,
+                 warmup_ms: float = 10, rep_ms: float = 100, cpu_reps: int = 3,
+                 rel_tol: float = 0.01, min_reps: int = 8,
+                 abandon_ratio: float | None = None) -> Against:
+    """Time a candidate (``parts`` run back to back as one unit, as :func:`time_parts`)
+    beside a reference launch ``ref``, in pairs: L2 flushed before each launch, CUDA
+    events around each, the two in turn and in alternating order (candidate first in
+    even pairs, reference first in odd ones).
+
+    Timed alone, one after the other, two configs meet different clocks: on the H200
+    (session 47, BENCHMARKS.md, issue 17) a pair timed each alone, back to back in the
+    house loop, read 0.985-1.029x apart from one visit to the next, and 0.97-1.16x at
+    8k keys, where interleaved they read 1.028-1.040x and 0.964-0.975x. A ratio of
+    adjacent launches cancels the clocks.
+
+    Repetitions stop from ``min_reps`` pairs on once the 95% interval of the ratio's
+    median (:func:`median_interval`) lies within ``rel_tol`` of it either way, or with
+    ``abandon_ratio``, once it lies wholly above that (a candidate plainly slower than
+    the reference); the pairs take at most about ``rep_ms``. Under the CPU interpreter,
+    ``cpu_reps`` pairs on the host clock, labelled so."""
+    if not parts:
+        raise ValueError("time_against needs at least one launch")
+
+    def whole() -> None:
+        for f in parts:
+            f()
+
+    if not torch.cuda.is_available():
+        whole()
+        ref()
+        tot: list[float] = []
+        per: list[list[float]] = [[] for _ in parts]
+        refs: list[float] = []
+        for i in range(max(cpu_reps, 1)):
+            for first in ((True, False) if i % 2 == 0 else (False, True)):
+                start = time.perf_counter()
+                if first:
+                    stamps = [start]
+                    for f in parts:
+                        f()
+                        stamps.append(time.perf_counter())
+                    tot.append((stamps[-1] - start) * 1e3)
+                    for j in range(len(parts)):
+                        per[j].append((stamps[j + 1] - stamps[j]) * 1e3)
+                else:
+                    ref()
+                    refs.append((time.perf_counter() - start) * 1e3)
+        ratios = [a / b for a, b in zip(tot, refs, strict=True) if b > 0]
+        return Against(Timing(*_quantiles(tot), interpreter=True),
+                       [_quantiles(x)[0] for x in per], Timing(*_quantiles(refs),
+                                                               interpreter=True),
+                       statistics.median(ratios) if ratios else math.nan, len(tot))
+
+    whole()
+    ref()
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(2):
+        flush.zero_()
+        whole()
+        flush.zero_()
+        ref()
+    t1.record()
+    torch.cuda.synchronize()
+    pair = max(t0.elapsed_time(t1) / 2, 1e-3)
+    for i in range(max(1, int(warmup_ms / pair))):
+        flush.zero_()
+        (whole if i % 2 else ref)()
+    n_max = max(1, int(rep_ms / pair))
+    tot, refs = [], []
+    per = [[] for _ in parts]
+    batch = min(n_max, max(min_reps, 1))
+    while True:
+        cand_ev = [[torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
+                   for _ in range(batch)]
+        ref_ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(batch)]
+        for i, (ev, (ra, rb)) in enumerate(zip(cand_ev, ref_ev, strict=True)):
+            for cand_turn in ((True, False) if (len(tot) + i) % 2 == 0 else (False, True)):
+                flush.zero_()
+                if cand_turn:
+                    ev[0].record()
+                    for f, e in zip(parts, ev[1:], strict=True):
+                        f()
+                        e.record()
+                else:
+                    ra.record()
+                    ref()
+                    rb.record()
+        torch.cuda.synchronize()
+        tot += [ev[0].elapsed_time(ev[-1]) for ev in cand_ev]
+        refs += [ra.elapsed_time(rb) for ra, rb in ref_ev]
+        for j in range(len(parts)):
+            per[j] += [ev[j].elapsed_time(ev[j + 1]) for ev in cand_ev]
+        ratios = [a / b for a, b in zip(tot, refs, strict=True)]
+        left = n_max - len(tot)
+        if left <= 0:
+            break
+        med, lo, hi = median_interval(ratios)
+        if max(med - lo, hi - med) <= rel_tol * med or \
+                (abandon_ratio is not None and lo > abandon_ratio):
+            break
+        batch = min(left, len(tot))  # double the sample
+    return Against(Timing(*_quantiles(tot)), [_quantiles(x)[0] for x in per],
+                   Timing(*_quantiles(refs)), statistics.median(ratios), len(tot))
+
+
 def _turns(n: int, k: int) -> list[int]:
     """The launch order of :func:`time_interleaved`: ``n`` cycles through ``k`` launches,
     in alternating direction (0 1 2, 2 1 0, 0 1 2, ...)."""

@@ -204,3 +204,47 @@ def test_three_timings_interleaved_on_a_gpu_reads_two_copies_alike() -> None:
     for kind in ("fwd", "bwd", "infer"):
         a, b = got["one"][kind].median_ms, got["two"][kind].median_ms
         assert a > 0 and b > 0 and abs(a / b - 1) < 0.05, (kind, a, b)
+
+
+def test_time_against_pairs_the_candidate_with_the_reference_in_alternating_order() -> None:
+    from flashtune.timing import time_against
+
+    calls: list[str] = []
+
+    def launch(name: str, sleep_ms: float):
+        def f() -> None:
+            calls.append(name)
+            time.sleep(sleep_ms / 1e3)
+        return f
+
+    res = time_against([launch("a", 1), launch("b", 2)], launch("ref", 1), cpu_reps=3)
+    # one untimed call each, then three pairs, the candidate first in even pairs
+    assert calls == ["a", "b", "ref", "a", "b", "ref", "ref", "a", "b", "a", "b", "ref"]
+    assert res.pairs == 3 and res.timing.interpreter and res.ref.interpreter
+    assert len(res.parts_ms) == 2 and res.parts_ms[1] >= 2.0
+    # The candidate sleeps 3 ms in all, the reference 1 ms: about 3x, however loaded the
+    # machine (a late wake-up lengthens both).
+    assert res.timing.median_ms >= 3.0 and res.ref.median_ms >= 1.0
+    assert 1.3 < res.ratio < 3.5
+    with pytest.raises(ValueError, match="at least one"):
+        time_against([], launch("ref", 0))
+
+
+@pytest.mark.gpu
+def test_time_against_on_a_gpu_reads_the_ratio_of_the_work() -> None:
+    """Beside a copy of itself a launch reads 1.0x; beside half its work, about 2x; and
+    a candidate far slower than the reference is abandoned in fewer pairs."""
+    from flashtune.timing import time_against
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    same = time_against([lambda: a @ a], lambda: a @ a, rel_tol=0.01)
+    double = time_against([lambda: b @ a], lambda: a @ a, rel_tol=0.01)
+    assert abs(same.ratio - 1) < 0.03
+    assert 1.6 < double.ratio < 2.4
+    assert double.timing.median_ms == pytest.approx(double.ratio * double.ref.median_ms,
+                                                    rel=0.1)
+    full = time_against([lambda: b @ a], lambda: a @ a, rel_tol=1e-4, rep_ms=200)
+    quit_ = time_against([lambda: b @ a], lambda: a @ a, rel_tol=1e-4, rep_ms=200,
+                         abandon_ratio=1.1)
+    assert quit_.pairs < full.pairs

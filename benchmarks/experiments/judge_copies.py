@@ -14,13 +14,13 @@ difference; copies apart by as much is the protocol's spread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
 import torch
+from protocol_probe import budget_rows
 from tune_autotuner import problem_of_label
 
 from flashtune.autotune.measure import Bench, retime
@@ -28,20 +28,9 @@ from flashtune.kernels.config import config_from_dict
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("file")
-    ap.add_argument("rows", type=int, nargs="+")
-    ap.add_argument("--block", default="")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    data = json.load(open(args.file))
-    if args.block:
-        data = data[args.block]
+    args, rows = budget_rows(argv, rounds=(int, 9), repeats=(int, 3))
     out = []
-    for ri in args.rows:
-        row = data["rows"][ri]
+    for row in rows:
         d, p = row["direction"], problem_of_label(row["problem"])
         diff = {k: (row["short_config"][k], row["long_config"][k]) for k in row["short_config"]
                 if row["short_config"][k] != row["long_config"].get(k)}

@@ -78,26 +78,34 @@ def _loop(fn: Callable[[], Any], scrub: Callable[[], Any] | None, warmup_ms: flo
     return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
-def main(argv: list[str]) -> None:
+def budget_rows(argv: list[str], **extra: tuple[type, Any]
+                ) -> tuple[argparse.Namespace, list[dict[str, Any]]]:
+    """The arguments the probes of a budget file share (FILE ROWS... [--block NAME]
+    [--json OUT]) and ``extra`` options (name: (type, default)); returns them and the
+    rows chosen, in order."""
     ap = argparse.ArgumentParser()
     ap.add_argument("file")
     ap.add_argument("rows", type=int, nargs="+")
     ap.add_argument("--block", default="")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scrub-n", type=int, default=2048)
     ap.add_argument("--json")
+    for name, (kind, default) in extra.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     args = ap.parse_args(argv)
     data = json.load(open(args.file))
     if args.block:
         data = data[args.block]
+    return args, [data["rows"][i] for i in args.rows]
+
+
+def main(argv: list[str]) -> None:
+    args, rows = budget_rows(argv, repeats=(int, 3), scrub_n=(int, 2048))
     x = torch.randn(args.scrub_n, args.scrub_n, device="cuda", dtype=torch.bfloat16)
 
     def scrub() -> None:
         torch.mm(x, x)
 
     out = []
-    for ri in args.rows:
-        row = data["rows"][ri]
+    for row in rows:
         d, p = row["direction"], problem_of_label(row["problem"])
         bench = Bench(p, "cuda")
         cfgs = [config_from_dict(d, row["short_config"]), config_from_dict(d, row["long_config"])]

@@ -5,11 +5,13 @@ Started by :class:`flashtune.autotune._isolation.Worker` as
 crash here (illegal memory access, a segfault, a hang) takes down only this
 process; the parent records the trial as FAIL and starts a new worker.
 
-Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}``,
-``{"op": "retime", ...}`` (with ``"company"``: anchor names whose launches join the
-loop), ``{"op": "prepare", ...}`` (the problem's inputs, gate case
-and reference, ahead of its first candidate) or ``{"op": "stop"}``. The worker first sends
-``{"op": "ready", "pid", "device"}``, then one reply per request.
+Messages are pickled dicts. Parent to worker: ``{"op": "measure", ...}`` (with
+``"against"``: a config to time it beside, see ``measure.measure``), ``{"op": "against",
+...}`` (a config's ratio to another, again), ``{"op": "retime", ...}`` (with
+``"company"``: anchor names whose launches join the loop), ``{"op": "prepare", ...}``
+(the problem's inputs, gate case and reference, ahead of its first candidate) or
+``{"op": "stop"}``. The worker first sends ``{"op": "ready", "pid", "device"}``, then
+one reply per request.
 """
 
 from __future__ import annotations
@@ -110,11 +112,14 @@ def _serve(conn: Connection) -> None:
                 _faults.crash(action)
             try:
                 cfg = config_from_dict(direction, cfg_dict)
+                ref = (config_from_dict(direction, msg["against"]) if msg.get("against")
+                       else None)
                 bench = bench_for(problem)
             except Exception as e:  # a config the kernels reject, or inputs that cannot fit
                 conn.send(Measurement("error", detail=f"{type(e).__name__}: {e}").as_dict())
                 continue
-            kw = dict(seed=msg["seed"], abandon_ms=msg.get("abandon_ms"), **timing)
+            kw = dict(seed=msg["seed"], abandon_ms=msg.get("abandon_ms"), against=ref,
+                      abandon_ratio=msg.get("abandon_ratio"), **timing)
             if action in ("corrupt", "raise"):
                 with _faults.kernel_fault(action, direction):
                     m = measure(bench, direction, cfg, **kw)
@@ -127,6 +132,19 @@ def _serve(conn: Connection) -> None:
             try:
                 conn.send({"status": "ok", **bench_for(problem).prepare(direction, msg["seed"])})
             except Exception as e:  # the first candidate meets it again, and records it
+                conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
+                if poisons_context(e):
+                    return
+        elif op == "against":
+            # A new incumbent's confirmation: its ratio to the old one, ``rounds`` times.
+            try:
+                bench = bench_for(problem)
+                cfg = config_from_dict(direction, msg["config"])
+                ref = config_from_dict(direction, msg["against"])
+                ratios = [bench.time_against(direction, cfg, ref, **timing)[0].ratio
+                          for _ in range(max(msg.get("rounds", 1), 1))]
+                conn.send({"status": "ok", "ratios": ratios})
+            except Exception as e:
                 conn.send({"status": "error", "detail": f"{type(e).__name__}: {e}"})
                 if poisons_context(e):
                     return

@@ -31,9 +31,11 @@ import torch
 from flashtune.kernels.config import BwdConfig, FwdConfig, default_fwd
 from flashtune.problem import Problem, default_scale
 from flashtune.timing import (
+    Against,
     Timing,
     make_inputs,
     packed_layout,
+    time_against,
     time_fn,
     time_interleaved,
     time_parts,
@@ -258,6 +260,28 @@ class Bench:
                              cpu_reps=cpu_reps, **adaptive)
         return tm, {name: ms for (name, _), ms in zip(steps, per, strict=True)}
 
+    def time_against(self, direction: str, config: FwdConfig | BwdConfig,
+                     against: FwdConfig | BwdConfig, *, warmup_ms: float = 10,
+                     rep_ms: float = 100, cpu_reps: int = 3, rel_tol: float = 0.01,
+                     min_reps: int = 8, abandon_ratio: float | None = None,
+                     ) -> tuple[Against, dict[str, float]]:
+        """``config`` timed in pairs with ``against`` (:func:`flashtune.timing.
+        time_against`), and for the backward the median ms of each of its launches by part
+        name."""
+        kw: dict[str, Any] = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_reps=cpu_reps,
+                                  rel_tol=rel_tol, min_reps=min_reps,
+                                  abandon_ratio=abandon_ratio)
+        ref = self.launch(direction, against)
+        if direction == "fwd":
+            return time_against([self.fn(direction, config)], ref, **kw), {}
+        from flashtune.kernels.attn_bwd import bwd_steps
+
+        cfg: Any = config
+        _, steps = bwd_steps(*self._bwd_args(), config=cfg,
+                             deterministic=self.problem.deterministic, **self.kw)
+        res = time_against([f for _, f in steps], ref, **kw)
+        return res, {name: ms for (name, _), ms in zip(steps, res.parts_ms, strict=True)}
+
 
 @dataclass
 class Measurement:
@@ -278,6 +302,10 @@ class Measurement:
     interpreter: bool = False
     poisoned: bool = False
     parts_ms: dict[str, float] = field(default_factory=dict)
+    # Timed against a reference config (``measure(..., against=...)``): the median of
+    # this config's time over the reference's, pair by pair, and the reference's median.
+    against_ratio: float = math.nan
+    against_ms: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "parts_ms": dict(self.parts_ms)}
@@ -291,12 +319,16 @@ def _sync() -> None:
 def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed: int,
             warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3,
             rel_tol: float | None = None, min_reps: int = 8,
-            abandon_ms: float | None = None) -> Measurement:
+            abandon_ms: float | None = None, against: FwdConfig | BwdConfig | None = None,
+            abandon_ratio: float | None = None) -> Measurement:
     """First launch (compile, or load from Triton's cache), the gate, then the timing.
 
     The gate runs on the bench's gate case for ``direction`` (made from ``seed`` by the
     first measurement of the problem, then reused: ``reference_s`` is its cost, inside
-    ``gate_s``). The timing keywords go to :meth:`Bench.time_with_parts`."""
+    ``gate_s``). The timing keywords go to :meth:`Bench.time_with_parts`; with
+    ``against`` and an adaptive timing (``rel_tol``), to :meth:`Bench.time_against`
+    instead (``abandon_ratio`` in place of ``abandon_ms``), and the measurement carries
+    the ratio."""
     interp = bench.device == "cpu"
     t0 = time.perf_counter()
     ref_s = 0.0
@@ -312,9 +344,17 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
                                detail=f"correctness gate failed: {cmp.detail}",
                                compile_s=t1 - t0, gate_s=t2 - t1, reference_s=ref_s,
                                interpreter=interp)
-        tm, parts = bench.time_with_parts(direction, config, warmup_ms=warmup_ms,
-                                          rep_ms=rep_ms, cpu_reps=cpu_reps, rel_tol=rel_tol,
-                                          min_reps=min_reps, abandon_ms=abandon_ms)
+        ratio = ref_ms = math.nan
+        if against is not None and rel_tol is not None:
+            res, parts = bench.time_against(direction, config, against, warmup_ms=warmup_ms,
+                                            rep_ms=rep_ms, cpu_reps=cpu_reps, rel_tol=rel_tol,
+                                            min_reps=min_reps, abandon_ratio=abandon_ratio)
+            tm, ratio, ref_ms = res.timing, res.ratio, res.ref.median_ms
+        else:
+            tm, parts = bench.time_with_parts(direction, config, warmup_ms=warmup_ms,
+                                              rep_ms=rep_ms, cpu_reps=cpu_reps,
+                                              rel_tol=rel_tol, min_reps=min_reps,
+                                              abandon_ms=abandon_ms)
     except Exception as e:  # every failure of a candidate is data, never fatal
         kind = classify(e)
         return Measurement(kind, detail=f"{type(e).__name__}: {str(e)[:500]}",
@@ -325,7 +365,8 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
         return Measurement("error", detail=f"non-finite timing {tm}", interpreter=interp)
     return Measurement("ok", tm.median_ms, tm.p20_ms, tm.p80_ms, cmp.max_error, cmp.ratio,
                        cmp.detail, compile_s=t1 - t0, gate_s=t2 - t1, reference_s=ref_s,
-                       time_s=t3 - t2, interpreter=tm.interpreter, parts_ms=parts)
+                       time_s=t3 - t2, interpreter=tm.interpreter, parts_ms=parts,
+                       against_ratio=ratio, against_ms=ref_ms)
 
 
 def retime(bench: Bench, direction: str, configs: list[FwdConfig | BwdConfig], *,

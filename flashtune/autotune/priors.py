@@ -37,6 +37,11 @@ winners), and the check stayed at six of eight within 2%. At B1 H16 S16384 D128 
 trial read 2% slower than the default while the re-timing puts a three-stage config 3%
 ahead: a ranking the trials and the re-timing disagree on, which no start point fixes.
 
+At head dim 64 in the fixed dQ order, the deeper point stages dQ in column groups, and a
+third Hopper point holds 128-row tiles, column groups and K and V in registers: the two
+60 s winners of B2 H32 S8192 D64 causal, which a 12 s search missed by 7% in session 46
+when it never tried 128 rows with column groups (BENCHMARKS.md, issue 17, session 46).
+
 A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
 in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
 128-row query tiles ran 1.22-1.40x its default 64-row ones and, at 16k keys, 1.13x the
@@ -110,6 +115,20 @@ def _hopper_deep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_stages": 3, "hopper_regs": 232}
 
 
+def _hopper_groups(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The Hopper backward at head dim 64 in the fixed dQ order: dQ staged in column
+    groups of eight, which every 60 s winner with 128-row tiles in the session 45 budget
+    check used, and which polishing cannot reach from 64-row tiles in one move (it was
+    slower at 64 rows, 128 rows slower without it)."""
+    return {"hopper_dq_groups": 1} if p.head_dim <= 64 and p.deterministic else {}
+
+
+def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """K and V back in registers (the default at head dim 64) beside 128-row tiles, in the
+    fixed dQ order only (in the free order that pair ran 0.76-0.95x; see _hopper_rows)."""
+    return {"hopper_kv_regs": 1} if p.head_dim <= 64 and p.deterministic else {}
+
+
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
 BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
@@ -121,7 +140,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_ONE_LAUNCH, (_dq_wide,)),
         (BWD_TWO_KERNEL, (_dq_wide,)),
         (BWD_HOPPER, (_hopper_rows,)),
-        (BWD_HOPPER, (_hopper_rows, _hopper_deep)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_deep, _hopper_groups)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
     ],
 }
 

@@ -15,9 +15,13 @@ Pipeline for each candidate (one Optuna trial; :class:`~flashtune.autotune.searc
    correctness gate (2x rule on fresh inputs), then the house timing protocol.
    Gate failure, a run-time error, a worker death or a timeout marks the trial
    FAIL (attribute ``error``); a compile error or out-of-resources PRUNES it.
-   A passing candidate COMPLETEs with its median time in ms as the value; one
-   that would become the incumbent is first timed twice more and keeps the median
-   of the three (a single lucky timing must not steer the search).
+   A passing candidate COMPLETEs with its median time in ms as the value. On a GPU
+   (adaptive timing), every trial after the first is timed in pairs with the incumbent
+   (:func:`flashtune.timing.time_against`), and its value is its ratio to the incumbent
+   times the incumbent's value (its own median is kept as ``alone_ms``): two configs
+   timed each alone meet different clocks. One that would become the incumbent is first
+   timed twice more (beside the incumbent, where it was) and keeps the median of the
+   three (a single lucky timing must not steer the search).
    A backward trial also records the time of each of its three launches.
    Besides the sampler's picks, two kinds of candidate (:mod:`.candidates`) jump the
    compile queue (the newest queued sampler pick gives up its place when the budget
@@ -98,7 +102,8 @@ from flashtune.kernels.config import (
 from flashtune.problem import Problem, ProblemKey
 
 # The search's trials on a GPU: warm up briefly (the first launch and the gate have run),
-# then repeat until the median's 95% interval is within 1% (flashtune.timing.time_parts).
+# then repeat until the median's 95% interval is within 1% (flashtune.timing.time_parts;
+# beside the incumbent, the ratio's: flashtune.timing.time_against).
 SEARCH_TIMING: dict[str, Any] = {"warmup_ms": 10, "rel_tol": 0.01, "min_reps": 8}
 
 # The anchored timing's repetitions: rounds x rep_ms for each launch of its loop (the
@@ -667,8 +672,10 @@ def tune(problem: Problem, direction: str = "both", *, trials: int | None = None
     - ``timing``: kwargs for the timing protocol (``warmup_ms``, ``rep_ms``, ``cpu_reps``).
       On a GPU the search's own trials time only as long as the noise needs
       (:data:`SEARCH_TIMING`: a shorter warmup, then repetitions until the median is
-      known to 1%, or until it is plainly slower than the incumbent); ``timing`` keys
-      override those (``{"rel_tol": None}`` times every trial in full). The final
+      known to 1%, or until it is plainly slower than the incumbent), each beside the
+      incumbent; ``timing`` keys override those (``{"rel_tol": None}`` times every
+      trial alone and in full; with ``rel_tol`` under the interpreter, trials are timed
+      beside the incumbent on the host clock). The final
       re-timing follows the house protocol.
     - ``progress``: called with a dict per event ("trial", "infeasible", "retime",
       "done"): direction, study, measured, budget, best_ms, elapsed_s, and details.

@@ -246,3 +246,22 @@ def test_a_config_the_launcher_refuses_is_pruned_not_failed() -> None:
 
     assert classify(InfeasibleConfigError("bwd hopper: no room")) == "prune"
     assert classify(RuntimeError("bwd hopper: no room")) == "error"
+
+
+def test_a_backward_measured_against_another_keeps_its_parts_and_the_ratio(
+        device: str, seed: int) -> None:
+    """``measure(..., against=...)`` with an adaptive timing times the candidate's launches
+    in pairs with the reference config's: each launch's median by name, the whole's,
+    and the median ratio of the pairs."""
+    from flashtune.autotune.measure import measure
+
+    bench = Bench(P, device, seed=seed)
+    cfg = BwdConfig(dkdv_block_n=32, dq_block_m=32)
+    ref = BwdConfig(dkdv_block_m=16, dkdv_block_n=16, dq_block_m=16, dq_block_n=16)
+    m = measure(bench, "bwd", cfg, seed=seed, cpu_reps=1, warmup_ms=1, rep_ms=20,
+                rel_tol=0.5, min_reps=2, against=ref)
+    assert m.status == "ok", m.detail
+    assert list(m.parts_ms) == list(BWD_PARTS)
+    assert m.against_ratio > 0 and m.against_ms > 0
+    plain = measure(bench, "bwd", cfg, seed=seed, cpu_reps=1, warmup_ms=1, rep_ms=20)
+    assert plain.status == "ok" and plain.against_ratio != plain.against_ratio  # NaN: alone

@@ -462,3 +462,25 @@ def test_the_anchored_timing_gives_the_stored_figure(tmp_path) -> None:
     assert study.user_attrs["anchored"] == r.anchored
     plain = tune(TINY, "bwd", trials=2, storage=db)  # the interpreter's default: none
     assert plain.anchored is None
+
+
+def test_trials_after_the_first_are_timed_beside_the_incumbent(tmp_path) -> None:
+    """With an adaptive timing (``rel_tol``), each trial after the first runs in pairs with
+    the incumbent in the real worker, and its score is its ratio to the incumbent times
+    the incumbent's score (a new incumbent's: the median of three such ratios)."""
+    import statistics
+
+    db = tmp_path / "t.db"
+    r = tune(TINY, "fwd", trials=4, storage=db, retime_rounds=0, seed=2,
+             timing={"rel_tol": 0.5, "cpu_reps": 2})
+    study = optuna.load_study(study_name=r.study_name, storage=f"sqlite:///{db}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) >= 3
+    assert "against_ratio" not in done[0].user_attrs  # nothing to time it beside
+    best = float(done[0].value)
+    for t in done[1:]:
+        ratio = t.user_attrs["against_ratio"]
+        assert ratio > 0 and t.user_attrs["alone_ms"] > 0
+        ratios = [ratio, *t.user_attrs.get("confirm_ratios", [])]
+        assert float(t.value) == pytest.approx(statistics.median(ratios) * best, rel=1e-9)
+        best = min(best, float(t.value))

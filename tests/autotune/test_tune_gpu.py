@@ -39,3 +39,13 @@ def test_tune_on_gpu_with_compile_pool(tmp_path) -> None:
             study = optuna.load_study(study_name=r.study_name,
                                       storage=f"sqlite:///{tmp_path / 't.db'}")
             assert study.user_attrs["retime_clocks"] == clocks
+        # The trials after the first ran beside the incumbent (flashtune.timing.
+        # time_against): each holds its ratio to it, and its time alone.
+        import optuna
+
+        study = optuna.load_study(study_name=r.study_name,
+                                  storage=f"sqlite:///{tmp_path / 't.db'}")
+        timed = [t for t in study.trials if t.value is not None]
+        assert "against_ratio" not in timed[0].user_attrs
+        for t in timed[1:]:
+            assert 0.2 < t.user_attrs["against_ratio"] < 20 and t.user_attrs["alone_ms"] > 0
