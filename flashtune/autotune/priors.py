@@ -41,6 +41,9 @@ At head dim 64 in the fixed dQ order, the deeper point stages dQ in column group
 third Hopper point holds 128-row tiles, column groups and K and V in registers: the two
 60 s winners of B2 H32 S8192 D64 causal, which a 12 s search missed by 7% in session 46
 when it never tried 128 rows with column groups (BENCHMARKS.md, issue 17, session 46).
+At head dim 128 from 8k keys, the deeper point and a third (the default with column
+groups) stage dQ in column groups as well, as every shipped H200 winner there does
+(session 47).
 
 A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
 in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
@@ -115,12 +118,23 @@ def _hopper_deep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_stages": 3, "hopper_regs": 232}
 
 
+# From this many keys the fixed dQ order's prior points at head dim 128 stage dQ in
+# column groups too (see _hopper_groups).
+GROUPS_LONG_KEYS = 8192
+
+
 def _hopper_groups(c: dict[str, Any], p: Problem) -> dict[str, Any]:
-    """The Hopper backward at head dim 64 in the fixed dQ order: dQ staged in column
-    groups of eight, which every 60 s winner with 128-row tiles in the session 45 budget
-    check used, and which polishing cannot reach from 64-row tiles in one move (it was
-    slower at 64 rows, 128 rows slower without it)."""
-    return {"hopper_dq_groups": 1} if p.head_dim <= 64 and p.deterministic else {}
+    """The Hopper backward in the fixed dQ order: dQ staged in column groups of eight.
+    At head dim 64 every 60 s winner with 128-row tiles in the session 45 budget check
+    used it, and polishing cannot reach it from 64-row tiles in one move (it was slower at
+    64 rows, 128 rows slower without it). At head dim 128 from 8k keys, all seven shipped
+    H200 winners of the fixed order use it (two with three stages), and at 16k causal
+    the 60 s winner is three stages, 232 registers and column groups, which two of three
+    12 s searches never reached (session 47)."""
+    if not p.deterministic:
+        return {}
+    return {"hopper_dq_groups": 1} if p.head_dim <= 64 or p.seqlen_k >= GROUPS_LONG_KEYS \
+        else {}
 
 
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:

@@ -536,18 +536,26 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     and V read from shared memory, as the prior was measured (the default holds them in
     registers at head dim 64 since session 42), then the same point one stage deeper with
     232 registers a consumer, where the long searches went; at head dim 128, where such
-    tiles cannot run, only the deeper default."""
+    tiles cannot run, only the deeper default (from 8k keys in the fixed dQ order, with
+    dQ in column groups, and the default with them)."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
-    for head_dim in (64, 128):
-        p = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=4096, seqlen_k=4096,
+    for head_dim, seqlen in ((64, 4096), (128, 4096), (128, 16384)):
+        p = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=seqlen, seqlen_k=seqlen,
                     head_dim=head_dim, deterministic=deterministic)
         points = prior_points("bwd", p, "9.0")
         hopper = [pt for pt in points if pt["variant"] == config.BWD_HOPPER]
         base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
         deep = {"hopper_stages": 3, "hopper_regs": 232}
-        if head_dim > 64:
+        if head_dim > 64 and seqlen >= 8192 and deterministic:
+            # From 8k keys the fixed order's deeper point stages dQ in column groups, and
+            # the default with column groups follows it.
+            assert base["hopper_dq_groups"] == 0
+            groups = {"hopper_dq_groups": 1}
+            want = [{**base, **deep, **groups}, {**base, **groups}]
+            assert hopper == points[-2:] == want
+        elif head_dim > 64:
             assert hopper == points[-1:] == [{**base, **deep}]
         else:
             assert base["hopper_kv_regs"] == 1
