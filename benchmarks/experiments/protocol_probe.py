@@ -17,10 +17,14 @@ that differ in one thing each, ``--repeats`` times, and prints the short / long 
 
 If ``scrub-mm`` ranks as ``inter`` does, what runs between two launches (cache state
 left behind, not the order) decides, and a trial could put a cheap kernel between its
-repetitions; if it ranks as ``b2b`` does, the other config itself matters.
+repetitions; if it ranks as ``b2b`` does, the other config itself matters. Run in
+session 47 (``benchmarks/data/protocol_probe_h200_s47.json``): it moved one pair part of
+the way and the other not at all; ``alloc_probe.py`` then showed the two loops of ``b2b``
+meeting different clocks, and the trials are now timed beside the incumbent
+(``flashtune.timing.time_against``).
 
     PYTHONPATH=.:benchmarks python benchmarks/experiments/protocol_probe.py budget.json \
-        --block head 5 2 [--repeats 3] [--json OUT]
+        5 2 --block head [--repeats 3] [--json OUT]
 """
 
 from __future__ import annotations
