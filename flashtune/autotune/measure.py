@@ -328,7 +328,8 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
     ``gate_s``). The timing keywords go to :meth:`Bench.time_with_parts`; with
     ``against`` and an adaptive timing (``rel_tol``), to :meth:`Bench.time_against`
     instead (``abandon_ratio`` in place of ``abandon_ms``), and the measurement carries
-    the ratio."""
+    the ratio; where that pair raises (and leaves the CUDA context usable), the candidate
+    is timed alone, so that a failure of the reference is never the candidate's."""
     interp = bench.device == "cpu"
     t0 = time.perf_counter()
     ref_s = 0.0
@@ -345,12 +346,21 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
                                compile_s=t1 - t0, gate_s=t2 - t1, reference_s=ref_s,
                                interpreter=interp)
         ratio = ref_ms = math.nan
-        if against is not None and rel_tol is not None:
-            res, parts = bench.time_against(direction, config, against, warmup_ms=warmup_ms,
-                                            rep_ms=rep_ms, cpu_reps=cpu_reps, rel_tol=rel_tol,
-                                            min_reps=min_reps, abandon_ratio=abandon_ratio)
-            tm, ratio, ref_ms = res.timing, res.ratio, res.ref.median_ms
-        else:
+        paired = against is not None and rel_tol is not None
+        if paired:
+            try:
+                res, parts = bench.time_against(
+                    direction, config, against, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                    cpu_reps=cpu_reps, rel_tol=rel_tol, min_reps=min_reps,
+                    abandon_ratio=abandon_ratio)
+                tm, ratio, ref_ms = res.timing, res.ratio, res.ref.median_ms
+            except Exception as e:
+                # The pair failed: the candidate, or the reference beside it (its buffers
+                # too, say). The candidate alone decides which; the pair's error is lost.
+                if poisons_context(e):
+                    raise
+                paired = False
+        if not paired:
             tm, parts = bench.time_with_parts(direction, config, warmup_ms=warmup_ms,
                                               rep_ms=rep_ms, cpu_reps=cpu_reps,
                                               rel_tol=rel_tol, min_reps=min_reps,

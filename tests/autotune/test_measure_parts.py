@@ -265,3 +265,21 @@ def test_a_backward_measured_against_another_keeps_its_parts_and_the_ratio(
     assert m.against_ratio > 0 and m.against_ms > 0
     plain = measure(bench, "bwd", cfg, seed=seed, cpu_reps=1, warmup_ms=1, rep_ms=20)
     assert plain.status == "ok" and plain.against_ratio != plain.against_ratio  # NaN: alone
+
+
+def test_a_reference_that_cannot_run_leaves_the_candidate_timed_alone(device: str,
+                                                                      seed: int) -> None:
+    """Where the pair raises because of the reference (here a config this problem refuses),
+    the candidate is not blamed: it is timed alone, without a ratio."""
+    from flashtune.autotune.measure import measure
+
+    bench = Bench(P, device, seed=seed)
+    cfg = BwdConfig(dkdv_block_n=32, dq_block_m=32)
+    bad = BwdConfig(dkdv_block_m=7)  # not a tile the kernels take
+    with pytest.raises(Exception):  # noqa: B017 - whatever the kernels raise for it
+        bench.launch("bwd", bad)()
+    m = measure(bench, "bwd", cfg, seed=seed, cpu_reps=1, warmup_ms=1, rep_ms=20,
+                rel_tol=0.5, min_reps=2, against=bad)
+    assert m.status == "ok", m.detail
+    assert list(m.parts_ms) == list(BWD_PARTS) and m.median_ms > 0
+    assert m.against_ratio != m.against_ratio  # NaN: timed alone
