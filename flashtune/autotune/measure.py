@@ -12,6 +12,8 @@ nothing of it, so each piece can be tested alone:
   forward output made once with the heuristic default, with
   ``flashtune.timing.time_parts``: the same protocol for the whole, plus the median
   of each of its three launches (preprocess, dK/dV, dQ), which the tuner recombines.
+  Beside a reference config (the search's incumbent), :meth:`Bench.time_against` times
+  the two in pairs (``flashtune.timing.time_against``) and gives their ratio.
 - :func:`classify` sorts an exception into "prune" (the candidate cannot compile or
   does not fit: out of resources) or "error"; :func:`poisons_context` says whether the
   CUDA context is unusable afterwards (illegal address and friends), in which case
