@@ -45,10 +45,10 @@ ABANDON_OVER = 1.1
 # With an adaptive timing on a GPU, a trial is timed in pairs with the incumbent
 # (flashtune.timing.time_against) and scored as its ratio to the incumbent times the
 # incumbent's score. Each timed alone, one after the other, two configs meet different
-# clocks: on the H200 two backward configs that read 2.8-4.0% apart interleaved read
-# -1.5 to +2.9% apart alone, and at 8k keys 3.0% apart interleaved, -16 to +3% alone
-# (session 47, BENCHMARKS.md, issue 17), enough to keep the better one out of the final
-# re-timing.
+# clocks: on the H200 one backward config read 2.8-4.0% slower than another
+# interleaved, and from 1.5% faster to 2.9% slower each timed alone; at 8k keys another
+# pair read 2.5-3.6% apart interleaved, and from 3.1% to -15.5% alone (session 47,
+# BENCHMARKS.md, issue 17): enough to keep the better one out of the final re-timing.
 TRIALS_AGAINST_INCUMBENT = True
 # Where a measured trial's time went (its attributes, in seconds), in its progress event.
 TRIAL_SECONDS = ("pool_wait_s", "wall_s", "compile_s", "gate_s", "reference_s", "time_s",
