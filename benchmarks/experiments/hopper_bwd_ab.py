@@ -21,6 +21,7 @@ launched exactly as the product launches it. Then:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -46,6 +47,7 @@ from flashtune.problem import effective_window  # noqa: E402
 from flashtune.timing import time_interleaved  # noqa: E402
 
 KEY = "flashtune.kernels.attn_bwd_hopper"
+DET_KNOBS: dict[str, Any] = {}  # --det-knobs
 
 
 def load(name: str, path: str | None) -> Any:
@@ -146,12 +148,22 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
         fns[name] = prepared(head_mod, do, qd, kd, vd, o, lse, cfg, causal, (-1, -1), 0.0,
                              scale, True)[1]
     tiles = [(64, 128, 2)] if d == 128 else [(64, 128, 2), (128, 128, 2)]
+    errors = {}
     for vname, mod in mods.items():
         for m, n, st in tiles:
             for det in (False, True):
                 label = f"{vname}:{m}x{n}s{st}{':det' if det else ''}"
-                fns[label] = prepared(mod, do, qd, kd, vd, o, lse, hopper_cfg(m, n, st),
-                                      causal, (-1, -1), 0.0, scale, det)[1]
+                cfg = hopper_cfg(m, n, st)
+                if det and DET_KNOBS:
+                    cfg = dataclasses.replace(cfg, **DET_KNOBS)
+                try:
+                    fns[label] = prepared(mod, do, qd, kd, vd, o, lse, cfg, causal, (-1, -1),
+                                          0.0, scale, det)[1]
+                    fns[label]()  # compile (and fail) here, not in the timed loop
+                except Exception as e:  # a variant that does not build is reported, not timed
+                    fns.pop(label, None)
+                    errors[label] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"{label}: {errors[label]}", flush=True)
     for f in fns.values():  # compile outside the timed loop
         f()
     torch.cuda.synchronize()
@@ -159,7 +171,8 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
     timings = time_interleaved([fns[n] for n in names], rounds=rounds)
     ms = {n: t.median_ms for n, t in zip(names, timings, strict=True)}
     flops = 4 * 2.5 * b * h * s * s * d * (0.5 if causal else 1.0)
-    return dict(shape=list(shape), ms=ms, shipped=repr(ship),
+    return dict(shape=list(shape), ms=ms, shipped=repr(ship), errors=errors,
+                det_knobs=DET_KNOBS,
                 tflops={n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()})
 
 
@@ -170,8 +183,12 @@ def main() -> None:
     ap.add_argument("--check", action="append", default=[], help="variant names to check")
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated indices")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--det-knobs", default="{}",
+                    help="JSON of BwdConfig fields for the timed fixed-order configs, e.g. "
+                         "'{\"hopper_dq_groups\": 1}' (the shipped D=128 entries' choice)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    DET_KNOBS.update(json.loads(args.det_knobs))
     mods = {}
     for spec in args.variant:
         name, _, path = spec.partition("=")
