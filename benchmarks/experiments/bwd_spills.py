@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--free", action="store_true", help="also the free order")
     ap.add_argument("--groups", action="store_true",
                     help="CASES with hopper_dq_groups=1 (the fixed order's column groups)")
+    ap.add_argument("--frag", action="store_true",
+                    help="CASES with hopper_dq_frag=1 (dQ staged in register order)")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -121,7 +123,8 @@ def main() -> None:
             lse = torch.empty(b, hq, s)
             cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=m, hopper_block_n=128,
                             hopper_stages=st, hopper_regs=240, hopper_stagger=stagger,
-                            hopper_dq_groups=int(args.groups and det))
+                            hopper_dq_groups=int(args.groups and det),
+                            hopper_dq_frag=int(args.frag))
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
@@ -134,7 +137,8 @@ def main() -> None:
                 with open(os.path.join(args.save, name + ".ptx"), "w") as f:
                     f.write(ptx)
             print(f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} m{m} s{st} o{stagger} "
-                  f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}: "
+                  f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}"
+                  f"{' frag' if args.frag else ''}: "
                   f"{ptxas_report(ptx)}", flush=True)
 
 

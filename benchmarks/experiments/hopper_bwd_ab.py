@@ -127,7 +127,10 @@ SHAPES = [(b, 2048 // d, s, d, c) for d in (64, 128) for c in (False, True)
           for s, b in ((1024, 16), (4096, 4), (16384, 1))]
 
 
-def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
+def shape_inputs(shape) -> tuple[dict[str, Any], tuple, Any, float]:
+    """For one of SHAPES: cuDNN's backward as the first entry of the timed callables (on a
+    retained graph), the backward's inputs (dO, Q, K, V, O and the LSE of our forward), the
+    problem and the softmax scale."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d, causal = shape
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -140,7 +143,12 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
         "cudnn": lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True)}
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     o, lse = forward(qd, kd, vd, causal, (-1, -1), 0.0, scale)
-    p = problem_of(qd, kd, causal, (-1, -1), 0.0)
+    return fns, (do, qd, kd, vd, o, lse), problem_of(qd, kd, causal, (-1, -1), 0.0), scale
+
+
+def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
+    b, h, s, d, causal = shape
+    fns, (do, qd, kd, vd, o, lse), p, scale = shape_inputs(shape)
     ship = shipped_config(p, torch.cuda.get_device_name(), "bwd")
     cfgs = {"shipped": ship} if ship is not None else {}
     cfgs["portable_default"] = default_bwd(p)
@@ -176,6 +184,14 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
                 tflops={n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()})
 
 
+def row_line(shape, ms: dict[str, float]) -> str:
+    """One shape's timings as cuDNN's time over each other's."""
+    c = ms["cudnn"]
+    cells = " ".join(f"{n}={c / t:.3f}" for n, t in ms.items() if n != "cudnn")
+    return (f"{'x'.join(map(str, shape[:4]))}{' causal' if shape[4] else ''} cudnn {c:.3f} ms "
+            f"| cudnn/x: {cells}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -208,10 +224,7 @@ def main() -> None:
         for i in idx:
             r = bench_shape(mods, SHAPES[i], args.rounds)
             out["bench"].append(r)
-            c = r["ms"]["cudnn"]
-            cells = " ".join(f"{n}={c / t:.3f}" for n, t in r["ms"].items() if n != "cudnn")
-            print(f"{'x'.join(map(str, SHAPES[i][:4]))}{' causal' if SHAPES[i][4] else ''} "
-                  f"cudnn {c:.3f} ms | cudnn/x: {cells}", flush=True)
+            print(row_line(SHAPES[i], r["ms"]), flush=True)
     finally:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

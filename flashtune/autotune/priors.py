@@ -131,10 +131,18 @@ def _hopper_groups(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     H200 winners of the fixed order use it (two with three stages), and at 16k causal
     the 60 s winner is three stages, 232 registers and column groups, which two of three
     12 s searches never reached (session 47)."""
-    if not p.deterministic:
-        return {}
+    if not p.deterministic or c.get("hopper_dq_frag"):
+        return {}  # (dQ staged in register order, the default at head dim 128, supersedes it)
     return {"hopper_dq_groups": 1} if p.head_dim <= 64 or p.seqlen_k >= GROUPS_LONG_KEYS \
         else {}
+
+
+def _hopper_frag(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The Hopper backward with dQ staged in the order of the wgmma's registers (16-byte
+    stores, no bank conflicts), the default at head dim 128. At head dim 64 with 128-row
+    tiles it ran 1.06x the staging in rows in the fixed order and 1.30x in the free order
+    (H200, 4x32x4096x64; BENCHMARKS.md, issue 13, session 48)."""
+    return {"hopper_dq_frag": 1, "hopper_dq_groups": 0}
 
 
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
@@ -156,6 +164,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows,)),
         (BWD_HOPPER, (_hopper_rows, _hopper_deep, _hopper_groups)),
         (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag)),
     ],
 }
 

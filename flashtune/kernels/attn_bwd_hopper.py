@@ -29,6 +29,13 @@ each tile's dQ columns are computed one tile late (``_dq_stage``), so the two co
 which both need each other's dS, are not held in step at every tile. dK and dV never
 race: one program owns each key tile, and GQA heads are summed in order.
 
+**How dQ is staged** (``hopper_dq_frag``): in rows (or the fixed order's column groups),
+the layout of the accumulator in global memory, or in the order the wgmma leaves the
+values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
+memory; the accumulator then keeps each (query tile, column chunk) as such a block, and
+the cast at the end puts it back in rows. The order of the fp32 sums is the same either
+way, so the fixed order's gradients are the same bits.
+
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
 rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. The producer
 loads each query tile's LSE and Δ with its Q and dO, into the same stage (``STAGE_LSE``,
@@ -48,6 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -243,22 +251,49 @@ def _grouped(dq):
 
 
 @gluon.jit
+def _fragments(dq):
+    """A dQ tile [BLOCK_M, N] in the order its registers lie in the wgmma accumulator,
+    flat in rows of 256 values, [BLOCK_M * N / 256, 256]: value 4 (128 k + t) + i is
+    thread t's k-th group of four (rows r and r + 8, columns c and c + 1). Staged so
+    (``hopper_dq_frag``), each warp's 16-byte stores fill 512 contiguous bytes of shared
+    memory: no bank conflicts, no swizzle, half the store instructions of 8-byte pieces;
+    the TMA reduce-add reads 1 KiB rows. The fp32 accumulator in global memory then holds
+    each tile in this order too (a contiguous block per query tile and column chunk), and
+    ``_dq_finish_fragments`` puts it back in rows.
+
+    In the accumulator (``instr_shape=[16, N, 16]``, four warps) thread t = 32 w + 4 a + e'
+    of a 64-row block holds rows 16 w + 8 h + a and columns 8 j + 2 e' + e: split the rows
+    as [blocks, w, h, a] and the columns as [j, e', e], and gather them as
+    [blocks, j, w, a, e', h, e]. A register relabelling: no data moves."""
+    M: gl.constexpr = dq.shape[0]
+    N: gl.constexpr = dq.shape[1]
+    x = gl.reshape(dq, [M // 64, 4, 2, 8, N // 8, 4, 2])
+    x = gl.permute(x, (0, 4, 1, 3, 5, 2, 6))
+    return gl.reshape(x, [M * N // 256, 256])
+
+
+@gluon.jit
 def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                    seq_k, offset, left, right, n_m, GQA: gl.constexpr, WALK: gl.constexpr,
                    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   DQ_RING: gl.constexpr, DQ_GROUPS: gl.constexpr):
+                   DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
     this key tile's turn, add the staged chunks with TMA reduce-adds, and pass the turn on
     once the reductions have read their sources (as FA3 orders its bulk reduce-adds). The
     consumer only waits for a free staging buffer, so a turn's wait overlaps its next
-    tiles' work. With ``DQ_GROUPS`` a chunk is staged and added in column groups of eight
-    (see _grouped) through a rank-5 view of the accumulator, [b, hq, D / 8, sq, 8]."""
+    tiles' work. With ``DQ_LAYOUT`` 1 a chunk is staged and added in column groups of
+    eight (see _grouped) through a rank-5 view of the accumulator, [b, hq, D / 8, sq, 8];
+    with 2 in register order (see _fragments), as a block of its own."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
-    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
-                              if DQ_GROUPS else desc_dq.block_type.shape[3])
+    # The dQ columns of one staging buffer, from the accumulator descriptor's box: rows
+    # [1, 1, BLOCK_M, N], column groups [1, 1, N / 8, BLOCK_M, 8] or fragments
+    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2).
+    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * 256 // BLOCK_M if DQ_LAYOUT == 2
+                              else desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
+                              if DQ_LAYOUT == 1 else desc_dq.block_type.shape[3])
     DQ_COLS: gl.constexpr = D // CONSUMERS
     CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
     pid_n = _key_tile(ORDER)
@@ -288,7 +323,13 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                 slot = (cnt * CHUNKS + c) % DQ_RING
                 mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
                               ((cnt * CHUNKS + c) // DQ_RING) & 1)
-                if DQ_GROUPS:
+                if DQ_LAYOUT == 2:  # the block of this query tile and column chunk
+                    block = (start // BLOCK_M) * (D // DQ_CHUNK) + cid * CHUNKS + c
+                    _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0],
+                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                        gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256],
+                                        desc_dq.layout))
+                elif DQ_LAYOUT == 1:
                     _tma_reduce_add(desc_dq, [b, h, (cid * DQ_COLS + c * DQ_CHUNK) // 8, start, 0],
                                     dq_smem.index(cid * DQ_RING + slot)._reinterpret(
                                         gl.float32, [1, 1, DQ_CHUNK // 8, BLOCK_M, 8],
@@ -309,7 +350,7 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
 def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
               dq_empty, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
               CONSUMERS: gl.constexpr, DQ_RING: gl.constexpr, dq_layout: gl.constexpr,
-              DQ_GROUPS: gl.constexpr):
+              DQ_LAYOUT: gl.constexpr):
     """The fixed order's dQ columns of this consumer for the ``t``-th tile of its walk,
     when they are computed one tile late (DEFER): wait for both consumers' dS of it in
     its slot, then hand the columns to the writer in chunks through the staging ring
@@ -326,7 +367,9 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
             mbarrier.arrive(ds_free.index(slot), count=1)
         r = t * CHUNKS + c
         mbarrier.wait(dq_empty.index(cid * DQ_RING + r % DQ_RING), ((r // DQ_RING) & 1) ^ 1)
-        if DQ_GROUPS:
+        if DQ_LAYOUT == 2:
+            dq_smem.index(cid * DQ_RING + r % DQ_RING).store(_fragments(dq))
+        elif DQ_LAYOUT == 1:
             dq_smem.index(cid * DQ_RING + r % DQ_RING).store(_grouped(dq))
         else:
             dq_smem.index(cid * DQ_RING + r % DQ_RING).store(dq)
@@ -349,7 +392,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
-                  STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr, KV_REGS: gl.constexpr):
+                  STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr, KV_REGS: gl.constexpr):
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -382,8 +425,12 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
     # The fixed order hands its dQ columns to the writer in chunks of DQ_CHUNK (see the
     # staging buffers in the kernel); the free order stages the whole tile at once.
-    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
-                              if DQ_GROUPS else desc_dq.block_type.shape[3])
+    # The dQ columns of one staging buffer, from the accumulator descriptor's box: rows
+    # [1, 1, BLOCK_M, N], column groups [1, 1, N / 8, BLOCK_M, 8] or fragments
+    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2).
+    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * 256 // BLOCK_M if DQ_LAYOUT == 2
+                              else desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
+                              if DQ_LAYOUT == 1 else desc_dq.block_type.shape[3])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_CHUNK, 16])
     # Where dK, dV and a dQ tile hold more registers than at D=64 with 64-row query tiles,
@@ -512,7 +559,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 if cnt > 0:
                     _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
                               dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
-                              DQ_RING, dq_layout, DQ_GROUPS)
+                              DQ_RING, dq_layout, DQ_LAYOUT)
             else:
                 if SPLIT_D:
                     mbarrier.wait(ds_free.index(0), (cnt & 1) ^ 1)  # the last tile's dQ is done
@@ -544,7 +591,9 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                         slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
                         lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
                         mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
-                        if DQ_GROUPS:
+                        if DQ_LAYOUT == 2:
+                            dq_smem.index(cid * DQ_RING + slot).store(_fragments(dq))
+                        elif DQ_LAYOUT == 1:
                             dq_smem.index(cid * DQ_RING + slot).store(_grouped(dq))
                         else:
                             dq_smem.index(cid * DQ_RING + slot).store(dq)
@@ -569,18 +618,28 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                     dq_buf = dq_smem.index(cid)
                     tma.store_wait(0)
                     gl.thread_barrier()
-                    dq_buf.store(dq)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
-                                    dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
-                                                        desc_dq.layout))
+                    if DQ_LAYOUT == 2:
+                        dq_buf.store(_fragments(dq))
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _tma_reduce_add(desc_dq,
+                                        [b * heads_q + hk * GQA + g, start // BLOCK_M, 0, 0],
+                                        dq_buf._reinterpret(gl.float32,
+                                                            [1, 1, BLOCK_M * D // 256, 256],
+                                                            desc_dq.layout))
+                    else:
+                        dq_buf.store(dq)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _tma_reduce_add(desc_dq, [b, hk * GQA + g, start, 0],
+                                        dq_buf._reinterpret(gl.float32, [1, 1, BLOCK_M, D],
+                                                            desc_dq.layout))
             cnt += 1
     if DEFER:
         if cnt > 0:
             _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
                       dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout,
-                      DQ_GROUPS)
+                      DQ_LAYOUT)
     tma.store_wait(0)
 
     rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
@@ -605,7 +664,7 @@ def _attn_bwd_hopper_kernel(
     STAGES: gl.constexpr,
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
-    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_GROUPS: gl.constexpr,
+    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
     KV_REGS: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
@@ -633,7 +692,11 @@ def _attn_bwd_hopper_kernel(
     # box) per consumer, as deep as shared memory allows (the host's _smem_plan), between
     # the consumers and the dQ writer.
     DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
-    if DQ_GROUPS:  # the fixed order's chunks in column groups of eight (see _grouped)
+    if DQ_LAYOUT == 2:  # tiles or chunks in the accumulator's register order (see _fragments)
+        dq_smem = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFS, desc_dq.block_type.shape[2], 256],
+            gl.NVMMASharedLayout(0, 32))
+    elif DQ_LAYOUT == 1:  # the fixed order's chunks in column groups of eight (see _grouped)
         dq_smem = gl.allocate_shared_memory(
             gl.float32, [DQ_BUFS, desc_dq.block_type.shape[2], BLOCK_M, 8],
             gl.NVMMASharedLayout(desc_dq.layout.swizzle_byte_width, 32, rank=3))
@@ -680,7 +743,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                                  delta_smem, kv_ready,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -689,7 +752,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -698,10 +761,10 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
@@ -713,7 +776,7 @@ def _attn_bwd_hopper_kernel(
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, q_full, q_empty, do_full, do_empty,
@@ -722,7 +785,7 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_GROUPS)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -740,7 +803,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -749,7 +812,7 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -767,8 +830,37 @@ def _attn_bwd_hopper_kernel(
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_GROUPS, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
         ], [4], [CONSUMER_REGS])
+
+
+@triton.jit
+def _dq_finish_fragments(
+    DQA, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, heads_q, seq_q, n_m,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """dQ of one query tile from the fp32 accumulator kept in fragment order
+    (``hopper_dq_frag``): the tile's HEAD_DIM / CHUNK blocks of BLOCK_M * CHUNK values, each
+    in the order _fragments lays it out, cast to dQ's dtype."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // heads_q).to(tl.int64)
+    off_h = (pid_bh % heads_q).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, HEAD_DIM)
+    # Row r = 64 blk + 16 w + 8 h + a and column 8 j + 2 e' + e of a chunk are value
+    # 4 (128 k + t) + i of its block, with k = blk * CHUNK / 8 + j, t = 32 w + 4 a + e',
+    # i = 2 h + e.
+    row_at = (r // 64) * (CHUNK // 8) * 512 + ((r // 16) % 4) * 128 + (r % 8) * 16 \
+        + ((r // 8) % 2) * 2
+    cc = c % CHUNK
+    col_at = (c // CHUNK) * (BLOCK_M * CHUNK) + (cc // 8) * 512 + ((cc % 8) // 2) * 4 + cc % 2
+    block = (pid_bh.to(tl.int64) * n_m + pid_m) * (BLOCK_M * HEAD_DIM)
+    rows = pid_m * BLOCK_M + r
+    acc = tl.load(DQA + block + row_at[:, None] + col_at[None, :], mask=(rows < seq_q)[:, None],
+                  other=0.0)
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqm
+             + c[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty), mask=(rows < seq_q)[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -782,11 +874,11 @@ DQ_GROUPED_CHUNK = 64
 
 def dq_chunk(c: BwdConfig, d: int, deterministic: bool) -> int:
     """The dQ columns of one staging buffer: the whole tile in the free order, else a chunk
-    of DQ_CHUNK columns, or with ``hopper_dq_groups`` up to DQ_GROUPED_CHUNK (at most a
-    consumer's share of D)."""
+    of DQ_CHUNK columns, or with ``hopper_dq_groups`` or ``hopper_dq_frag`` up to
+    DQ_GROUPED_CHUNK (at most a consumer's share of D)."""
     if not deterministic:
         return d
-    if c.hopper_dq_groups:
+    if c.hopper_dq_groups or c.hopper_dq_frag:
         return min(DQ_GROUPED_CHUNK, d // (c.hopper_block_n // ROWS_PER_WG))
     return DQ_CHUNK
 
@@ -924,7 +1016,16 @@ class HopperBwdLaunch:
         # column groups (fixed order only) the accumulator is seen as [b, hq, d / 8, sq, 8].
         dq_cols = dq_chunk(c, d, deterministic)
         groups = bool(c.hopper_dq_groups) and deterministic
-        if groups:
+        self.frag = bool(c.hopper_dq_frag)
+        if self.frag:
+            # Each (query tile, column chunk) is a contiguous block of m * dq_cols values in
+            # the consumers' register order (see _fragments), zeroed per call (a padded
+            # last tile included) and put back in rows by _dq_finish_fragments.
+            rows = m * dq_cols // 256
+            self.acc_shape = (b * hq, n_m * (d // dq_cols), rows, 256)
+            tacc = _template(self.acc_shape, torch.float32, q.device, [1, 1, rows, 256],
+                             gl.NVMMASharedLayout(0, 32, rank=4))
+        elif groups:
             base = torch.empty(1, device=q.device, dtype=torch.float32)
             tacc = template(TensorDescriptor(
                 base, [b, hq, d // 8, sq, 8], [hq * sq * d, sq * d, 8, d, 1],
@@ -941,7 +1042,7 @@ class HopperBwdLaunch:
         self.pre = BoundLaunch(
             _attn_bwd_preprocess, (triton.cdiv(sq, c.pre_block_m), b * hq),
             [None] * 4 + [*o.stride(), *do.stride(), hq, sq],
-            dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=True), 4)
+            dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=not self.frag), 4)
         # dQ, dK and dV are allocated per call like q, k and v: empty_like's strides (a
         # dense input's own, else contiguous ones).
         dq0, dk0, dv0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -955,13 +1056,19 @@ class HopperBwdLaunch:
                  ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
-                 STAGE_LSE=self.stage_lse, DQ_GROUPS=groups, KV_REGS=bool(c.hopper_kv_regs),
+                 STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
+                 KV_REGS=bool(c.hopper_kv_regs),
                  num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
-        self.finish = BoundLaunch(
-            _attn_bwd_dq_finish, (triton.cdiv(sq, 64), b * hq),
-            [None] * 2 + [*dq0.stride(), hq, sq, 1.0],
-            dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64, num_warps=4), 2)
+        if self.frag:
+            self.finish = BoundLaunch(
+                _dq_finish_fragments, (n_m, b * hq), [None] * 2 + [*dq0.stride(), hq, sq, n_m],
+                dict(HEAD_DIM=d, BLOCK_M=m, CHUNK=dq_cols, num_warps=4), 2)
+        else:
+            self.finish = BoundLaunch(
+                _attn_bwd_dq_finish, (triton.cdiv(sq, 64), b * hq),
+                [None] * 2 + [*dq0.stride(), hq, sq, 1.0],
+                dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64, num_warps=4), 2)
 
     def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                 ) -> tuple[torch.Tensor, ...]:
@@ -970,7 +1077,8 @@ class HopperBwdLaunch:
         lse = lse.contiguous()
         if self.stage_lse and lse.data_ptr() % 16:
             lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
-        dq_acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
+        dq_acc = (torch.zeros if self.frag else torch.empty)(self.acc_shape, device=q.device,
+                                                              dtype=torch.float32)
         sem = (torch.empty(self.sem_shape, device=q.device, dtype=torch.int32)
                if self.deterministic else dq_acc)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,

@@ -193,6 +193,10 @@ class BwdConfig:
                                "tiles in registers as the left operands of S^T and dP^T, "
                                "which then read only Q and dO from shared memory",
                                variants=_BH)
+    hopper_dq_frag: int = knob(0, (0, 1), "Hopper: 1 stages dQ (and keeps its fp32 "
+                               "accumulator) in the order of the wgmma's registers, with "
+                               "16-byte stores free of bank conflicts; 0 in rows (or column "
+                               "groups)", variants=_BH)
 
     kind = "bwd"
 
@@ -611,6 +615,10 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
             "bwd hopper: hopper_dq_groups=1 stages the fixed dQ order's chunks, and this "
             "deterministic=False call runs the free order; use 0, or hopper_dq_fixed=1 to "
             "keep the fixed order")
+    if c.hopper_dq_groups and c.hopper_dq_frag:
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_groups=1 and hopper_dq_frag=1 are two layouts of one dQ "
+            "staging buffer; set one of them")
     _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, fixed), smem_bytes)
 
 
@@ -810,9 +818,12 @@ def default_bwd(p: Problem, variant: int | None = None) -> BwdConfig:
             raise InfeasibleConfigError(reason)
         # At D=64, K and V in registers (hopper_kv_regs) with the default 64-row query
         # tiles: 1.03-1.06x in the free dQ order, 1.02-1.07x in the fixed one on the H200
-        # (BENCHMARKS.md, issue 13, session 42).
+        # (BENCHMARKS.md, issue 13, session 42). At D=128, dQ staged in register order
+        # (hopper_dq_frag): 1.03-1.09x in the fixed order (against column groups), 1.02-1.05x
+        # in the free one (session 48).
         c = BwdConfig(variant=BWD_HOPPER, pre_block_m=c.pre_block_m,
-                      hopper_kv_regs=int(p.head_dim == 64))
+                      hopper_kv_regs=int(p.head_dim == 64),
+                      hopper_dq_frag=int(p.head_dim == 128))
     elif variant is not None and variant != c.variant:
         c = _as_variant(c, variant, p)
     check_bwd(c, p)

@@ -535,9 +535,10 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     default with 128-row query tiles (the variant seeds carry only the default's 64) and K
     and V read from shared memory, as the prior was measured (the default holds them in
     registers at head dim 64 since session 42), then the same point one stage deeper with
-    232 registers a consumer, where the long searches went; at head dim 128, where such
-    tiles cannot run, only the deeper default (from 8k keys in the fixed dQ order, with
-    dQ in column groups, and the default with them)."""
+    232 registers a consumer, where the long searches went, and the 128-row point with dQ
+    staged in register order; at head dim 128, where such tiles cannot run, only the
+    deeper default (whose dQ is staged in register order, which supersedes the column
+    groups the fixed order's long-key points took before session 48)."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -548,24 +549,20 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         hopper = [pt for pt in points if pt["variant"] == config.BWD_HOPPER]
         base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
         deep = {"hopper_stages": 3, "hopper_regs": 232}
-        if head_dim > 64 and seqlen >= 8192 and deterministic:
-            # From 8k keys the fixed order's deeper point stages dQ in column groups, and
-            # the default with column groups follows it.
-            assert base["hopper_dq_groups"] == 0
-            groups = {"hopper_dq_groups": 1}
-            want = [{**base, **deep, **groups}, {**base, **groups}]
-            assert hopper == points[-2:] == want
-        elif head_dim > 64:
+        if head_dim > 64:
+            assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
             assert hopper == points[-1:] == [{**base, **deep}]
         else:
-            assert base["hopper_kv_regs"] == 1
+            assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
             # In the fixed dQ order, the deeper point and a third one stage dQ in column
-            # groups; the third holds K and V in registers again.
+            # groups; the third holds K and V in registers again; the last stages it in
+            # register order.
             groups = {"hopper_dq_groups": 1} if deterministic else {}
             want = [rows, {**rows, **deep, **groups}]
             if deterministic:
                 want.append({**rows, **groups, "hopper_kv_regs": 1})
+            want.append({**rows, "hopper_dq_frag": 1})
             assert hopper == points[-len(want):] == want
         for pt in hopper:
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)

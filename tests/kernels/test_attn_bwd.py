@@ -211,3 +211,32 @@ def test_backward_variants_build_for_sm90_without_a_gpu() -> None:
     assert "_attn_bwd_dq_finish" in tma["kernels"] and "_attn_bwd_dq_kernel" not in tma["kernels"]
     assert one["kernels"] == ["_attn_bwd_one_launch_kernel", "_attn_bwd_preprocess"]
     assert one["dq_adds"] == []
+
+
+@pytest.mark.parametrize("block_m, chunk, head_dim", [(64, 64, 128), (64, 128, 128),
+                                                       (128, 32, 64), (64, 32, 64)])
+def test_register_order_dq_accumulator_comes_back_in_rows(block_m: int, chunk: int,
+                                                          head_dim: int) -> None:
+    """``hopper_dq_frag``: the Hopper backward keeps each (query tile, column chunk) of the
+    fp32 dQ accumulator as one block in the order the consumers' wgmma registers hold it
+    (``attn_bwd_hopper._fragments``: rows split [blocks of 64, warp, pair, row of 8],
+    columns [group of 8, lane, pair], gathered [block, group, warp, row, lane, pair,
+    pair]); the cast at the end (a portable Triton kernel, run here in the interpreter)
+    must put every value back at its row and column, a padded last tile's rows left out."""
+    from flashtune.kernels.attn_bwd_hopper import _dq_finish_fragments
+
+    b, h, s = 2, 3, 150  # 150 rows: a padded last query tile
+    n_m = -(-s // block_m)
+    dq = torch.randn(b * h, n_m * block_m, head_dim, generator=torch.Generator().manual_seed(7))
+    blocks = []
+    for bh in range(b * h):
+        for m in range(n_m):
+            for c in range(head_dim // chunk):
+                tile = dq[bh, m * block_m:(m + 1) * block_m, c * chunk:(c + 1) * chunk]
+                x = tile.reshape(block_m // 64, 4, 2, 8, chunk // 8, 4, 2)
+                blocks.append(x.permute(0, 4, 1, 3, 5, 2, 6).reshape(-1))
+    acc = torch.stack(blocks).reshape(b * h, n_m * (head_dim // chunk), -1, 256).contiguous()
+    out = torch.full((b, h, s, head_dim), float("nan"))
+    _dq_finish_fragments[(n_m, b * h)](acc, out, *out.stride(), h, s, n_m, HEAD_DIM=head_dim,
+                                       BLOCK_M=block_m, CHUNK=chunk)
+    assert torch.equal(out, dq[:, :s].reshape(b, h, s, head_dim))

@@ -121,17 +121,21 @@ def _bit_identical(seed: int) -> list[str]:
             if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
                 failures.append(f"{p} {free_cfg}: the free-order call that runs the fixed "
                                 f"order differs from the deterministic call")
-        # Column-group staging (hopper_dq_groups) moves where dQ waits in shared memory
-        # and, at D=128, adds 64 columns per hand-off instead of 32; every element still
-        # takes the same products and the same turns, so the gradients are the same bits.
-        pair = []
-        for c in (two, dataclasses.replace(two, hopper_dq_groups=1)):
+        # Column-group staging (hopper_dq_groups) and staging in register order
+        # (hopper_dq_frag, the default here) move where dQ waits in shared memory and, at
+        # D=128, add 64 columns per hand-off instead of 32; every element still takes the
+        # same products and the same turns, so the gradients are the same bits.
+        rows = dataclasses.replace(two, hopper_dq_frag=0, hopper_dq_groups=0)
+        runs = []
+        for c in (rows, dataclasses.replace(rows, hopper_dq_groups=1),
+                  dataclasses.replace(rows, hopper_dq_frag=1)):
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             out = flash_attention(qg, kg, vg, causal=causal, window_size=window, config=c,
                                   deterministic=True)
-            pair.append(torch.autograd.grad(out, (qg, kg, vg), do))
-        if not all(torch.equal(a, b) for a, b in zip(*pair, strict=True)):
-            failures.append(f"{p}: hopper_dq_groups=1 changes the deterministic gradients")
+            runs.append(torch.autograd.grad(out, (qg, kg, vg), do))
+        for knob, run in (("hopper_dq_groups", runs[1]), ("hopper_dq_frag", runs[2])):
+            if not all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True)):
+                failures.append(f"{p}: {knob}=1 changes the deterministic gradients")
     # The same at D=64, where one consumer (64 keys) stages its 64 columns as one chunk
     # and two consumers with 128-row query tiles stage 32 each (the shipped H200 shape).
     p = Problem(1, 4, 2, 700, 901, 64, "bf16", True, deterministic=True)
@@ -143,7 +147,8 @@ def _bit_identical(seed: int) -> list[str]:
                                                                    "hopper_block_n": 128}
     tall = {"hopper_block_m": 128, "hopper_block_n": 128}
     for knob, tile_sets in (("hopper_dq_groups", (square, tall)),
-                            ("hopper_kv_regs", (square, wide, tall))):
+                            ("hopper_kv_regs", (square, wide, tall)),
+                            ("hopper_dq_frag", (square, wide, tall))):
         for tiles in tile_sets:
             pair = []
             for value in (0, 1):

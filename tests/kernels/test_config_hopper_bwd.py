@@ -197,7 +197,7 @@ def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
-            "hopper_kv_regs", "pre_block_m",
+            "hopper_kv_regs", "hopper_dq_frag", "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -495,3 +495,55 @@ def test_kv_regs_is_a_d64_knob_on_by_default_there(on_hopper: None) -> None:
                                  config=dataclasses.replace(HOP, hopper_kv_regs=kv_regs),
                                  deterministic=False)
         assert launch.main.kwargs["KV_REGS"] is bool(kv_regs)
+
+
+def test_dq_frag_is_a_knob_of_both_orders_and_the_default_at_d128(on_hopper: None) -> None:
+    """``hopper_dq_frag`` (session 48): 1 stages dQ in the wgmma's register order and keeps
+    the fp32 accumulator in that order, in either dQ order. Configs written before it read
+    as 0; the default Hopper backward takes it at D=128; it excludes column groups (two
+    layouts of one buffer) with the reason; the fixed order hands over the chunks column
+    groups would, in the same shared memory; the launch allocates the accumulator as one
+    block per (query tile, column chunk), zeroed per call instead of by the preprocess,
+    and casts it back with the register-order kernel."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch, _smem_plan, dq_chunk
+
+    old = config_to_dict(HOP)
+    del old["hopper_dq_frag"]
+    assert config_from_dict("bwd", old).hopper_dq_frag == 0
+    frag = dataclasses.replace(HOP, hopper_dq_frag=1)
+    assert config_from_dict("bwd", config_to_dict(frag)) == frag
+    d128, d64 = default_bwd(P, BWD_HOPPER), default_bwd(dataclasses.replace(P, head_dim=64),
+                                                         BWD_HOPPER)
+    assert (d128.hopper_dq_frag, d128.hopper_dq_groups, d64.hopper_dq_frag) == (1, 0, 0)
+    det = dataclasses.replace(P, deterministic=True)
+    free = dataclasses.replace(P, deterministic=False)
+    check_bwd(frag, det)
+    check_bwd(frag, free)
+    both = dataclasses.replace(frag, hopper_dq_groups=1)
+    for c, p in ((both, det), (dataclasses.replace(both, hopper_dq_fixed=1), free)):
+        with pytest.raises(InfeasibleConfigError, match="hopper_dq_groups=1 and hopper_dq_frag=1"):
+            check_bwd(c, p)
+    grouped = dataclasses.replace(HOP, hopper_dq_groups=1)
+    assert dq_chunk(frag, 128, True) == dq_chunk(grouped, 128, True) == 64
+    assert dq_chunk(frag, 64, True) == 32 and dq_chunk(frag, 128, False) == 128
+    assert _smem_plan(frag, 128, True) == _smem_plan(grouped, 128, True)
+    b, h, s, d = 1, 2, 300, 128
+    q, do, o, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(b, h, s)
+    for cfg, deterministic, rows in ((frag, True, 64 * 64 // 256),
+                                     (frag, False, 64 * 128 // 256), (HOP, True, None)):
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                                 scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                                 deterministic=deterministic)
+        acc = launch.buffers(q, k, v, lse)[5]
+        if rows is None:  # rows, zeroed by the preprocess
+            assert launch.main.kwargs["DQ_LAYOUT"] == 0 and launch.pre.kwargs["ZERO_DQ"]
+            assert acc.shape == (b, h, s, d)
+            continue
+        n_m, chunks = -(-s // 64), d // (rows * 256 // 64)
+        assert launch.main.kwargs["DQ_LAYOUT"] == 2 and not launch.pre.kwargs["ZERO_DQ"]
+        assert acc.shape == (b * h, n_m * chunks, rows, 256) and not acc.any()
+        assert launch.finish.kwargs == dict(HEAD_DIM=d, BLOCK_M=64, CHUNK=rows * 256 // 64,
+                                            num_warps=4)
