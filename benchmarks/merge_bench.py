@@ -7,6 +7,13 @@ orders, and a shape measured twice. CPU only: it reads files.
     autotune bench --preset standard --part 2/2 --json > b.json   # another
     python3 benchmarks/merge_bench.py a.json b.json --out bench.json
 
+On a host with two GPUs the parts can run at once, one per GPU: each row's
+implementations are still timed side by side on one GPU (session 48, 264 s and 304 s
+for the standard preset on an H200 pair):
+
+    for i in 1 2; do CUDA_VISIBLE_DEVICES=$((i - 1)) autotune bench --preset standard \
+        --part $i/2 --json > p$i.json & done; wait
+
 A part cut by a time limit keeps the shapes it measured whole; a later run finishes the
 set without measuring those again, and merges the same way:
 
