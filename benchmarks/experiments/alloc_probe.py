@@ -15,11 +15,10 @@ by more than it moves between the first bench's two visits, the addresses matter
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
-from protocol_probe import _loop, budget_rows
+from protocol_probe import _loop, budget_rows, save_rows
 from tune_autotuner import problem_of_label
 
 from flashtune.autotune.measure import Bench
@@ -55,10 +54,7 @@ def main(argv: list[str]) -> None:
         out.append({"problem": row["problem"], "visits": visits})
         del benches
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": out}, f)
+    save_rows(args.json, out)
 
 
 if __name__ == "__main__":

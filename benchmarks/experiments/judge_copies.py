@@ -14,13 +14,12 @@ difference; copies apart by as much is the protocol's spread.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 
 import torch
-from protocol_probe import budget_rows
+from protocol_probe import budget_rows, save_rows
 from tune_autotuner import problem_of_label
 
 from flashtune.autotune.measure import Bench, retime
@@ -50,10 +49,7 @@ def main(argv: list[str]) -> None:
         out.append({"problem": row["problem"], "differ": diff, "names": names, "ms": reps})
         del bench
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rounds": args.rounds, "rows": out}, f)
+    save_rows(args.json, out, rounds=args.rounds)
 
 
 if __name__ == "__main__":

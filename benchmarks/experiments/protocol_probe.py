@@ -101,6 +101,15 @@ def budget_rows(argv: list[str], **extra: tuple[type, Any]
     return args, [data["rows"][i] for i in args.rows]
 
 
+def save_rows(path: str | None, rows: list[dict[str, Any]], **extra: Any) -> None:
+    """Write a probe's rows (with the device, torch and ``extra``) to ``path`` (--json), if
+    given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       **extra, "rows": rows}, f)
+
+
 def main(argv: list[str]) -> None:
     args, rows = budget_rows(argv, repeats=(int, 3), scrub_n=(int, 2048))
     x = torch.randn(args.scrub_n, args.scrub_n, device="cuda", dtype=torch.bfloat16)
@@ -131,10 +140,7 @@ def main(argv: list[str]) -> None:
         out.append({"problem": row["problem"], "ms": res})
         del bench, fns, steps
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": out}, f)
+    save_rows(args.json, out)
 
 
 if __name__ == "__main__":
