@@ -4,9 +4,11 @@ with (issue 17: "within 3% of the sweep's own figures"). CPU only: it reads two 
     python3 benchmarks/compare_shipped.py bench_shipped.json \
         [--shipped flashtune/data/shipped.json] [--out compare.json]
 
-For each bench row timed "fwd" or "bwd" whose config came from the shipped layer, it
-finds the shipped entry of that device, direction and problem key, and reports bench's
-``tuned`` ms over the entry's ``median_ms``. ``same shape`` says whether the row's problem
+For each bench row timed "fwd" or "bwd" whose config came from the shipped layer (or the
+layers ``--layers`` names: ``shipped,user`` where the bench ran beside a sweep database
+that was then merged into ``--shipped``), it finds the shipped entry of that device,
+direction and problem key, and reports bench's ``tuned`` ms over the entry's
+``median_ms``. ``same shape`` says whether the row's problem
 is the entry's own example (the shape the sweep timed) or only shares its key (bucketed
 lengths or batch-heads), where the two figures time different work and are listed apart.
 The two figures are not one measurement: the sweep times the kernels alone; bench times
@@ -34,13 +36,15 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def compare(bench: dict[str, Any], shipped: str) -> dict[str, Any]:
+def compare(bench: dict[str, Any], shipped: str,
+            layers: tuple[str, ...] = ("shipped",)) -> dict[str, Any]:
     device = bench["device"]["name"] if isinstance(bench["device"], dict) else bench["device"]
     entries = _entries(shipped, device)
     rows = []
     for r in bench["rows"]:
         direction = r["timing"]
-        if direction not in ("fwd", "bwd") or r.get("tuned_layers", {}).get(direction) != "shipped":
+        layer = r.get("tuned_layers", {}).get(direction)
+        if direction not in ("fwd", "bwd") or layer not in layers:
             continue
         p = Problem.from_dict(r["problem"])
         e = entries.get(p.key(direction))
@@ -68,9 +72,13 @@ def main() -> None:
     ap.add_argument("bench", help="autotune bench --json output")
     ap.add_argument("--shipped", default="flashtune/data/shipped.json")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", default="shipped",
+                    help="comma-separated layers whose rows to take (default: shipped; add "
+                         "'user' where the bench ran beside a sweep database that was then "
+                         "merged into --shipped)")
     args = ap.parse_args()
     with open(args.bench) as f:
-        result = compare(json.load(f), args.shipped)
+        result = compare(json.load(f), args.shipped, tuple(args.layers.split(",")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
