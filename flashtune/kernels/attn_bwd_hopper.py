@@ -1077,8 +1077,7 @@ class HopperBwdLaunch:
         lse = lse.contiguous()
         if self.stage_lse and lse.data_ptr() % 16:
             lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
-        dq_acc = (torch.zeros if self.frag else torch.empty)(self.acc_shape, device=q.device,
-                                                              dtype=torch.float32)
+        dq_acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
         sem = (torch.empty(self.sem_shape, device=q.device, dtype=torch.int32)
                if self.deterministic else dq_acc)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
@@ -1089,6 +1088,10 @@ class HopperBwdLaunch:
         """Launch the three kernels into ``bufs`` (from :meth:`buffers`)."""
         dq, dk, dv, lse, delta, dq_acc, sem = bufs
         tq, tdo, tk, tv, tacc = self.templates
+        if self.frag:
+            # Zeroed here, not where it is allocated: the tuner times run() on buffers
+            # made once, and must time (and repeat correctly) what every call does.
+            dq_acc.zero_()
         self.pre(o, do, delta, dq_acc)
         if self.deterministic:
             sem.zero_()

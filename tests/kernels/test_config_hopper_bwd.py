@@ -503,8 +503,8 @@ def test_dq_frag_is_a_knob_of_both_orders_and_the_default_at_d128(on_hopper: Non
     as 0; the default Hopper backward takes it at D=128; it excludes column groups (two
     layouts of one buffer) with the reason; the fixed order hands over the chunks column
     groups would, in the same shared memory; the launch allocates the accumulator as one
-    block per (query tile, column chunk), zeroed per call instead of by the preprocess,
-    and casts it back with the register-order kernel."""
+    block per (query tile, column chunk), zeroed by run() (the part the tuner times) instead
+    of by the preprocess, and casts it back with the register-order kernel."""
     import torch
 
     from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch, _smem_plan, dq_chunk
@@ -537,13 +537,25 @@ def test_dq_frag_is_a_knob_of_both_orders_and_the_default_at_d128(on_hopper: Non
         launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
                                  scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
                                  deterministic=deterministic)
-        acc = launch.buffers(q, k, v, lse)[5]
+        bufs = launch.buffers(q, k, v, lse)
+        acc = bufs[5]
         if rows is None:  # rows, zeroed by the preprocess
             assert launch.main.kwargs["DQ_LAYOUT"] == 0 and launch.pre.kwargs["ZERO_DQ"]
             assert acc.shape == (b, h, s, d)
             continue
         n_m, chunks = -(-s // 64), d // (rows * 256 // 64)
         assert launch.main.kwargs["DQ_LAYOUT"] == 2 and not launch.pre.kwargs["ZERO_DQ"]
-        assert acc.shape == (b * h, n_m * chunks, rows, 256) and not acc.any()
+        assert acc.shape == (b * h, n_m * chunks, rows, 256)
         assert launch.finish.kwargs == dict(HEAD_DIM=d, BLOCK_M=64, CHUNK=rows * 256 // 64,
                                             num_warps=4)
+        # run() zeroes the accumulator before the kernels add into it, on every call: the
+        # tuner times run() again and again on buffers made once. (The kernels cannot run
+        # here; the launches record what the accumulator holds when each would start.)
+        seen: list[tuple[str, float]] = []
+        for name in ("pre", "main", "finish"):
+            setattr(launch, name, lambda *a, name=name, seen=seen, acc=acc: seen.append(
+                (name, float(acc.abs().sum()))))
+        for _ in range(2):
+            acc.fill_(3.0)  # what a previous call's reduce-adds left
+            launch.run(do, q, k, v, o, bufs)
+        assert seen == [("pre", 0.0), ("main", 0.0), ("finish", 0.0)] * 2
