@@ -84,8 +84,9 @@ def nodq(t: str) -> str:
              "nodq/fixed", within="def _bwd_consumer(")
     # The free order (LEAN at D=128).
     t = _cut(t, "                    dq = warpgroup_mma(ds_buf.permute((1, 0)), k,",
-             "desc_dq.layout))\n", "                    gl.static_assert(LEAN)\n",
-             "nodq/free", within="def _bwd_consumer(")
+             "[1, 1, BLOCK_M, D],\n" + " " * 60 + "desc_dq.layout))\n",
+             "                    gl.static_assert(LEAN)\n", "nodq/free (both layouts)",
+             within="def _bwd_consumer(")
     # The writers: walk, but add nothing and wait for nothing.
     return _cut(t, "            sem, turn = _dq_turn(",
                 "gl.atomic_xchg(sem, turn + 1, sem=\"release\")\n",
@@ -95,18 +96,24 @@ def nodq(t: str) -> str:
 def nostage(t: str) -> str:
     """noreduce, and dQ's product is computed and waited for but not stored to the staging
     buffers (the stores sit behind a runtime condition that never holds, so the product
-    cannot be optimized away); fences, barriers and hand-offs stay."""
+    cannot be optimized away); fences, barriers and hand-offs stay. Every dQ layout (rows,
+    column groups, register order) is cut alike."""
     t = noreduce(t)
     for what, var, indent, dst in (
             ("nostage/_dq_stage", "t", 8, "dq_smem.index(cid * DQ_RING + r % DQ_RING)"),
             ("nostage/fixed", "cnt", 24, "dq_smem.index(cid * DQ_RING + slot)")):
         sp = " " * indent
-        t = _one(t, f"{sp}if DQ_GROUPS:\n{sp}    {dst}.store(_grouped(dq))\n{sp}else:\n"
-                    f"{sp}    {dst}.store(dq)\n",
-                 f"{sp}if {var} < 0:\n{sp}    {dst}.store(_grouped(dq))\n", what)
-    return _one(t, "                    dq_buf.store(dq)\n",
-                "                    if cnt < 0:\n                        dq_buf.store(dq)\n",
-                "nostage/free")
+        stores = (f"{sp}if DQ_LAYOUT == 2:\n{sp}    {dst}.store(_fragments(dq))\n"
+                  f"{sp}elif DQ_LAYOUT == 1:\n{sp}    {dst}.store(_grouped(dq))\n"
+                  f"{sp}else:\n{sp}    {dst}.store(dq)\n")
+        guarded = f"{sp}if {var} < 0:\n" + "".join(
+            f"    {line}\n" for line in stores.splitlines())
+        t = _one(t, stores, guarded, what)
+    sp = " " * 24
+    for what, store in (("nostage/free frag", "dq_buf.store(_fragments(dq))"),
+                        ("nostage/free", "dq_buf.store(dq)")):
+        t = _one(t, f"{sp}{store}\n", f"{sp}if cnt < 0:\n{sp}    {store}\n", what)
+    return t
 
 
 ABLATIONS = {"noexp": noexp, "noreduce": noreduce, "noturn": noturn, "nodq": nodq,
