@@ -195,6 +195,53 @@ def _bound_launches(seed: int) -> list[str]:
     return failures
 
 
+def _tuner_launch(seed: int) -> list[str]:
+    """What the tuner times is what a call computes: the backward's launches from
+    ``bwd_steps``, with buffers made once (as ``measure.Bench`` times them), run three
+    times give each time the gradients of one fresh ``attn_bwd`` with the same config: bit
+    for bit in the fixed dQ order, within rounding in the free one. With dQ staged in
+    register order every run must zero the fp32 accumulator itself (session 49: it was
+    zeroed once, where it was allocated, so repeated runs added into the last one's sums
+    and the tuner's timing left the zeroing out)."""
+    import torch
+
+    from flashtune.kernels.attn_bwd import attn_bwd, bwd_steps
+    from flashtune.kernels.attn_fwd import attn_fwd
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, default_fwd
+    from flashtune.problem import Problem, default_scale
+
+    from .helpers import make_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p in (Problem(2, 8, 2, 1000, 1100, 128, "bf16", True, deterministic=True),
+              Problem(1, 8, 8, 777, 777, 128, "bf16", False, deterministic=False),
+              Problem(2, 4, 4, 1030, 1030, 64, "fp16", True, deterministic=True)):
+        q, k, v, do = make_qkv(p, "cuda", "bhsd", gen)
+        kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
+                  softcap=0.0)
+        o, lse = attn_fwd(q, k, v, config=default_fwd(p), **kw)
+        base = default_bwd(p, BWD_HOPPER)
+        for frag in (1, 0):
+            cfg = dataclasses.replace(base, hopper_dq_frag=frag, hopper_dq_groups=0)
+            once = attn_bwd(do, q, k, v, o, lse, config=cfg, deterministic=p.deterministic,
+                            **kw)
+            grads, steps = bwd_steps(do, q, k, v, o, lse, config=cfg,
+                                     deterministic=p.deterministic, **kw)
+            for run in range(3):
+                for _, launch in steps:
+                    launch()
+                torch.cuda.synchronize()
+                for name, a, b in zip("dq dk dv".split(), grads, once, strict=True):
+                    same = torch.equal(a, b) if p.deterministic else torch.allclose(
+                        a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+                    if not same:
+                        err = (a.float() - b.float()).abs().max().item()
+                        failures.append(f"{p} frag={frag} run {run}: {name} differs from one "
+                                        f"call's (max abs difference {err:.3g})")
+    return failures
+
+
 def _defaults(seed: int) -> list[str]:
     """What a call with no tuned entry is served from 1k queries and keys (session 42's
     default rule): the Hopper backward's default config, K and V in registers at D=64,
@@ -249,7 +296,7 @@ def needs_hopper() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
-                                   "_bound_launches", "_defaults"])
+                                   "_bound_launches", "_defaults", "_tuner_launch"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 
