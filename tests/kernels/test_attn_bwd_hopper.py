@@ -2,8 +2,10 @@
 
 Every case runs through the public ``flash_attention`` with the backward variant forced,
 with ``deterministic`` both ways: False takes the free-order dQ reduce-adds, True the
-fixed-order turns, which must also give bit-identical gradients from run to run. Each
-group runs in a child process under the watchdog (a hung barrier fails, it does not hang).
+fixed-order turns, which must also give bit-identical gradients from run to run. One
+group (``_tuner_launch``) runs the launches the tuner times instead, against one fresh
+``attn_bwd``. Each group runs in a child process under the watchdog (a hung barrier fails, it
+does not hang).
 """
 
 from __future__ import annotations
