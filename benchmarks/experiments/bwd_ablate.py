@@ -10,6 +10,9 @@ see what each part costs at head dim 128. Their gradients are wrong by design: n
   semaphore is still passed on): what the fixed order costs over an unordered one.
 - ``nostage``: ``noreduce``, and dQ's product is not stored to the staging buffers either
   (computed and waited for; fences, barriers and hand-offs stay): the staging stores.
+  Check an ablated copy's sm_90 SASS before reading a time off it (``bwd_spills.py
+  --module``, then ptxas and nvdisasm): a guard the compiler can fold takes the product
+  with it (see ``_NEVER``).
 - ``nodq``: no dQ at all (no product, staging, hand-off or writer work; dS still goes to
   shared memory and the fixed order's consumers still meet on it): dQ's whole cost.
 
@@ -93,26 +96,35 @@ def nodq(t: str) -> str:
                 "", "nodq/writer", within="def _bwd_dq_writer(")
 
 
+# The guard of ``nostage``'s stores: a condition that never holds (the grid has one layer in
+# z) and that the compiler cannot prove false. Session 48's guard, a tile count ``< 0``, it
+# could (a count from 0 that only grows), and so can it ``> 1 << 30`` (the trip count is
+# at most an int32 over BLOCK_M): LLVM dropped the stores, ptxas then the dQ product they
+# alone used (sm_90 SASS: 32 HGMMA.64x64x16 instead of 64), and ``nostage`` timed the
+# kernel without dQ's product.
+_NEVER = "gl.program_id(2) == 7"
+
+
 def nostage(t: str) -> str:
     """noreduce, and dQ's product is computed and waited for but not stored to the staging
-    buffers (the stores sit behind a runtime condition that never holds, so the product
-    cannot be optimized away); fences, barriers and hand-offs stay. Every dQ layout (rows,
-    column groups, register order) is cut alike."""
+    buffers (the stores sit behind a condition that never holds and that the compiler
+    cannot prove never holds, so the product stays: see ``_NEVER``); fences, barriers and
+    hand-offs stay. Every dQ layout (rows, column groups, register order) is cut alike."""
     t = noreduce(t)
-    for what, var, indent, dst in (
-            ("nostage/_dq_stage", "t", 8, "dq_smem.index(cid * DQ_RING + r % DQ_RING)"),
-            ("nostage/fixed", "cnt", 24, "dq_smem.index(cid * DQ_RING + slot)")):
+    for what, indent, dst in (
+            ("nostage/_dq_stage", 8, "dq_smem.index(cid * DQ_RING + r % DQ_RING)"),
+            ("nostage/fixed", 24, "dq_smem.index(cid * DQ_RING + slot)")):
         sp = " " * indent
         stores = (f"{sp}if DQ_LAYOUT == 2:\n{sp}    {dst}.store(_fragments(dq))\n"
                   f"{sp}elif DQ_LAYOUT == 1:\n{sp}    {dst}.store(_grouped(dq))\n"
                   f"{sp}else:\n{sp}    {dst}.store(dq)\n")
-        guarded = f"{sp}if {var} < 0:\n" + "".join(
+        guarded = f"{sp}if {_NEVER}:\n" + "".join(
             f"    {line}\n" for line in stores.splitlines())
         t = _one(t, stores, guarded, what)
     sp = " " * 24
     for what, store in (("nostage/free frag", "dq_buf.store(_fragments(dq))"),
                         ("nostage/free", "dq_buf.store(dq)")):
-        t = _one(t, f"{sp}{store}\n", f"{sp}if cnt < 0:\n{sp}    {store}\n", what)
+        t = _one(t, f"{sp}{store}\n", f"{sp}if {_NEVER}:\n{sp}    {store}\n", what)
     return t
 
 

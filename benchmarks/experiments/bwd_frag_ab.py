@@ -10,8 +10,10 @@ replaces, in both dQ orders, beside cuDNN.
    call (deterministic) and the same with the knob on (column groups off: one layout per
    buffer); the free order at the default tiles with and without it.
 
-Session 48's ablations (``bwd_ablate.py``) found the dQ staging stores alone worth 1.39x
-(fixed order) to 1.56x (free order) of the D=128 backward's time.
+Session 48's ablations (``bwd_ablate.py``) seemed to find the dQ staging stores alone worth
+1.39x (fixed order) to 1.56x (free order) of the D=128 backward's time; session 50 found
+that ablation had lost dQ's product as well, and measured the stores at 5-9% (fixed) and
+30-40% (free).
 
     timeout 560 python3 benchmarks/experiments/bwd_frag_ab.py --check --shapes 7,10,8 \\
         --out $OUT/frag.json
