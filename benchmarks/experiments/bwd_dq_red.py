@@ -1,0 +1,222 @@
+"""The free order's dQ added from registers: a copy of ``flashtune/kernels/attn_bwd_hopper.py``
+whose free order with ``hopper_dq_frag`` adds each consumer's fp32 dQ tile to the
+accumulator with global reductions (``gl.atomic_add``, relaxed) instead of staging it in
+shared memory for one TMA reduce-add.
+
+Why: session 50's ablation (``bwd_ablate.py``, ``nostage`` with the product kept) took the
+free order from 0.83-0.85x to 1.11-1.17x cuDNN at head dim 128 by leaving out the staging
+stores, while leaving out only the reduce-adds gained nothing. Staging means a 32 KB
+``STS.128`` burst per consumer and query tile into a single buffer that the previous
+tile's reduce-add must have read first. Added from registers, each thread's values go
+straight to L2, in the accumulator's register order (``_fragments``): a thread's four
+values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds can be
+16-byte vector reductions where the compiler emits them (``--show``: the PTX's reduction
+instructions, built for sm_90 on the CPU).
+
+The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
+--check`` compares them with the fp32 reference. The accumulator is the free order's
+(``HopperBwdLaunch`` passes it as ``Sem`` there), so the host code is unchanged.
+
+    python3 benchmarks/experiments/bwd_dq_red.py --dir D --ab out.json --check redv4
+    python3 benchmarks/experiments/bwd_dq_red.py --dir D   # prints hopper_bwd_ab --variant args
+    PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
+        benchmarks/experiments/bwd_dq_red.py --dir D --show
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "flashtune",
+                   "kernels", "attn_bwd_hopper.py")
+
+RED = '''
+
+@gluon.jit
+def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.constexpr,
+            V4: gl.constexpr):
+    """Add a [BLOCK_M, N] dQ tile (wgmma accumulator ``layout``) into its block of the
+    register-order accumulator (see _fragments) with global reductions: row
+    64 blk + 16 w + 8 h + a and column 8 j + 2 e' + e sit at
+    64 N blk + 512 j + 128 w + 16 a + 4 e' + 2 h + e. With V4, one 16-byte
+    ``red.global.add.v4.f32`` per four values (a thread's registers 4k..4k+3 are rows
+    r, r + 8 and columns c, c + 1: contiguous there); else ``gl.atomic_add``."""
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    row_at = (r // 64) * (64 * N) + ((r // 16) % 4) * 128 + (r % 8) * 16 + ((r // 8) % 2) * 2
+    col_at = (c // 8) * 512 + ((c % 8) // 2) * 4 + c % 2
+    ptrs = Acc + block * (BLOCK_M * N) + row_at[:, None] + col_at[None, :]
+    if V4:
+        gl.inline_asm_elementwise(
+            "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\\n\\t"
+            "mov.b32 $0, 0;\\n\\tmov.b32 $1, 0;\\n\\tmov.b32 $2, 0;\\n\\tmov.b32 $3, 0;",
+            "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), dq],
+            dtype=gl.int32, is_pure=False, pack=4)
+    else:
+        gl.atomic_add(ptrs, dq, sem="relaxed")
+
+
+@gluon.jit
+def _bwd_consumer('''
+
+STAGED = '''                    if DQ_LAYOUT == 2:
+                        dq_buf.store(_fragments(dq))
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _tma_reduce_add(desc_dq,
+                                        [b * heads_q + hk * GQA + g, start // BLOCK_M, 0, 0],
+                                        dq_buf._reinterpret(gl.float32,
+                                                            [1, 1, BLOCK_M * D // 256, 256],
+                                                            desc_dq.layout))
+'''
+
+REDUCED = '''                    if DQ_LAYOUT == 2:
+                        _dq_red(Sem, dq, (b * heads_q + hk * GQA + g).to(gl.int64) * n_m
+                                + start // BLOCK_M, BLOCK_M, D, dq_layout, V4)
+'''
+
+
+def _one(text: str, old: str, new: str, what: str) -> str:
+    n = text.count(old)
+    if n != 1:
+        raise SystemExit(f"{what}: expected the anchor once, found it {n} times: {old[:60]!r}")
+    return text.replace(old, new)
+
+
+def transform(t: str, v4: bool) -> str:
+    # The consumers get the kernel's Sem (the free order's accumulator) after DV.
+    n = t.count("dq_empty, LSE, Delta, desc_dq, DK, DV,")
+    if n < 2:
+        raise SystemExit(f"consumer arguments: found the anchor {n} times")
+    t = t.replace("dq_empty, LSE, Delta, desc_dq, DK, DV,",
+                  "dq_empty, LSE, Delta, desc_dq, DK, DV, Sem,")
+    t = _one(t, "\n\n@gluon.jit\ndef _bwd_consumer(", RED, "_dq_red")
+    return _one(t, STAGED, REDUCED.replace("V4)", f"{v4})"), "free-order staging")
+
+
+def show(path: str) -> None:
+    """Build the copy's free order with frag (4x16x4096x128) for sm_90 and print the PTX's
+    global reduction and atomic instructions, counted by kind."""
+    import collections
+
+    import torch
+    from bwd_spills import ptxas_report, use_module
+    from probe_ptxas import BUILT_PTX
+
+    from flashtune.kernels.attn_bwd import bwd_steps
+    from flashtune.kernels.config import BWD_HOPPER, BwdConfig
+    from flashtune.problem import default_scale
+
+    use_module(path)
+    q, do, o = (torch.empty(4, 16, 4096, 128, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.empty(4, 16, 4096, 128, dtype=torch.bfloat16) for _ in range(2))
+    cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=64, hopper_block_n=128, hopper_stages=2,
+                    hopper_regs=240, hopper_dq_frag=1)
+    BUILT_PTX.clear()
+    _, steps = bwd_steps(do, q, k, v, o, torch.empty(4, 16, 4096), causal=False,
+                         sm_scale=default_scale(128), window=(-1, -1), softcap=0.0, config=cfg,
+                         deterministic=False)
+    for _, step in steps:
+        step()
+    ptx = BUILT_PTX["_attn_bwd_hopper_kernel"]
+    kinds = collections.Counter(re.findall(r"\b((?:red|atom)\.[a-z0-9.:_]+)", ptx))
+    for kind, count in sorted(kinds.items()):
+        print(f"{count:5d} {kind}")
+    print(ptxas_report(ptx))
+
+
+def ab(paths: dict[str, str], shapes: list[int], rounds: int, check: list[str],
+       out_path: str) -> None:
+    """On an sm_90 GPU: ``hopper_bwd_ab.check`` of the named copies with
+    ``hopper_dq_frag`` on in every config (free and fixed order against the fp32
+    reference, the fixed order bit for bit), then per shape one interleaved timing
+    (``flashtune.timing.time_interleaved``) of cuDNN's backward and the free order with
+    frag at tiles 64x128 (128x128 at D=64), two stages, in the tree's kernel and in each
+    copy; the copies' gradients are compared with the tree's (max abs difference)."""
+    import dataclasses
+    import json
+    import time
+
+    import hopper_bwd_ab as hab
+    import torch
+
+    from flashtune.kernels.config import BWD_HOPPER, BwdConfig
+    from flashtune.timing import time_interleaved
+
+    mods = {"head": hab.head_mod, **{n: hab.load(n, p) for n, p in paths.items()}}
+    out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                     date=time.strftime("%Y-%m-%d"), check={}, bench=[])
+    try:
+        plain = hab.hopper_cfg
+        hab.hopper_cfg = lambda m, n, st: dataclasses.replace(plain(m, n, st), hopper_dq_frag=1)
+        for name in check:
+            rows: list = []
+            t0 = time.time()
+            ok = hab.check(mods[name], rows)
+            out["check"][name] = dict(ok=ok, rows=rows, seconds=time.time() - t0)
+            print(f"check {name} (frag): {'all OK' if ok else 'FAILED'} ({len(rows)} cases, "
+                  f"{time.time() - t0:.0f} s)", flush=True)
+        hab.hopper_cfg = plain
+        for i in shapes:
+            shape = hab.SHAPES[i]
+            d, causal = shape[3], shape[4]
+            fns, (do, q, k, v, o, lse), _, scale = hab.shape_inputs(shape)
+            cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=64 if d == 128 else 128,
+                            hopper_block_n=128, hopper_stages=2, hopper_dq_frag=1)
+            grads = {}
+            for name, mod in mods.items():
+                grads[name], fns[name] = hab.prepared(mod, do, q, k, v, o, lse, cfg, causal,
+                                                      (-1, -1), 0.0, scale, False)
+                fns[name]()
+                torch.cuda.synchronize()
+                grads[name] = tuple(g.clone() for g in grads[name])
+            diff = {n: max(float((a.float() - b.float()).abs().max())
+                           for a, b in zip(grads[n], grads["head"], strict=True))
+                    for n in grads if n != "head"}
+            names = list(fns)
+            ms = {n: t.median_ms for n, t in zip(
+                names, time_interleaved([fns[n] for n in names], rounds=rounds), strict=True)}
+            out["bench"].append(dict(shape=list(shape), config=repr(cfg), ms=ms,
+                                     max_abs_diff_vs_head=diff))
+            print(f"{shape} cudnn {ms['cudnn']:.3f} ms | cudnn/x: " + " ".join(
+                f"{n}={ms['cudnn'] / ms[n]:.3f}" for n in names if n != "cudnn")
+                + f" | max |grad - head's| {diff}", flush=True)
+    finally:
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="where to write the module copies")
+    ap.add_argument("--show", action="store_true",
+                    help="build them for sm_90 (compile-only, Triton 3.6) and count their "
+                         "reductions")
+    ap.add_argument("--ab", default=None, metavar="OUT.json",
+                    help="on a GPU: check and time them (see ab) into OUT.json")
+    ap.add_argument("--check", default="", help="copies to check with --ab (comma-separated)")
+    ap.add_argument("--shapes", default="7,10,8", help="indices into hopper_bwd_ab.SHAPES")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    with open(SRC) as f:
+        head = f.read()
+    os.makedirs(args.dir, exist_ok=True)
+    paths = {}
+    for name, v4 in (("redv4", True), ("atomic", False)):
+        paths[name] = os.path.join(args.dir, f"attn_bwd_hopper_{name}.py")
+        with open(paths[name], "w") as f:
+            f.write(transform(head, v4))
+        if args.show:
+            print(name)
+            show(paths[name])
+    if args.ab:
+        ab(paths, [int(i) for i in args.shapes.split(",") if i],
+           args.rounds, [c for c in args.check.split(",") if c], args.ab)
+    elif not args.show:
+        print(" ".join(f"--variant {n}={p}" for n, p in paths.items()))
+
+
+if __name__ == "__main__":
+    main()
