@@ -9,9 +9,13 @@ stores, while leaving out only the reduce-adds gained nothing. Staging means a 3
 ``STS.128`` burst per consumer and query tile into a single buffer that the previous
 tile's reduce-add must have read first. Added from registers, each thread's values go
 straight to L2, in the accumulator's register order (``_fragments``): a thread's four
-values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds can be
-16-byte vector reductions where the compiler emits them (``--show``: the PTX's reduction
-instructions, built for sm_90 on the CPU).
+values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds are
+16-byte vector reductions: ``redv4`` writes them in inline PTX (``red.global.add.v4.f32``),
+``atomic`` leaves them to ``gl.atomic_add`` on the tile in _fragments' layout, which
+Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``. ``--show`` builds the tree's
+kernel and both copies for sm_90 on the CPU and prints their reductions and spills (at
+4x16x4096x128, free order, frag: 20/32 bytes of spill stores/loads in the tree's kernel,
+84/100 and 92/108 in the copies).
 
 The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
 --check`` compares them with the fp32 reference. The accumulator is the free order's
@@ -42,20 +46,30 @@ def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.c
     64 blk + 16 w + 8 h + a and column 8 j + 2 e' + e sit at
     64 N blk + 512 j + 128 w + 16 a + 4 e' + 2 h + e. With V4, one 16-byte
     ``red.global.add.v4.f32`` per four values (a thread's registers 4k..4k+3 are rows
-    r, r + 8 and columns c, c + 1: contiguous there); else ``gl.atomic_add``."""
+    r, r + 8 and columns c, c + 1: contiguous there) in inline PTX; else ``gl.atomic_add``
+    on the tile in _fragments' layout, which Triton 3.6 vectorizes the same way."""
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     c = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
     row_at = (r // 64) * (64 * N) + ((r // 16) % 4) * 128 + (r % 8) * 16 + ((r // 8) % 2) * 2
     col_at = (c // 8) * 512 + ((c % 8) // 2) * 4 + c % 2
-    ptrs = Acc + block * (BLOCK_M * N) + row_at[:, None] + col_at[None, :]
     if V4:
+        # A 64-bit pointer per value, only every fourth one read: the compiler spills less
+        # with them (84/100 bytes of spill stores/loads per thread, the tree's kernel 20/32)
+        # than with a 64-bit base and 32-bit offsets (188/248).
+        ptrs = Acc + block * (BLOCK_M * N) + row_at[:, None] + col_at[None, :]
         gl.inline_asm_elementwise(
             "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\\n\\t"
             "mov.b32 $0, 0;\\n\\tmov.b32 $1, 0;\\n\\tmov.b32 $2, 0;\\n\\tmov.b32 $3, 0;",
             "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), dq],
             dtype=gl.int32, is_pure=False, pack=4)
     else:
-        gl.atomic_add(ptrs, dq, sem="relaxed")
+        # In _fragments' layout Triton sees each thread's four contiguous values and emits
+        # one atom.global.add.v4.f32 per four (92/108 bytes of spills).
+        x = _fragments(dq)
+        i = gl.arange(0, BLOCK_M * N // 256, layout=gl.SliceLayout(1, x.type.layout))
+        e = gl.arange(0, 256, layout=gl.SliceLayout(0, x.type.layout))
+        gl.atomic_add(Acc + block * (BLOCK_M * N) + i[:, None] * 256 + e[None, :], x,
+                      sem="relaxed")
 
 
 @gluon.jit
@@ -204,6 +218,9 @@ def main() -> None:
         head = f.read()
     os.makedirs(args.dir, exist_ok=True)
     paths = {}
+    if args.show:
+        print("head (the tree's kernel)")
+        show(SRC)
     for name, v4 in (("redv4", True), ("atomic", False)):
         paths[name] = os.path.join(args.dir, f"attn_bwd_hopper_{name}.py")
         with open(paths[name], "w") as f:
