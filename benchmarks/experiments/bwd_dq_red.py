@@ -12,10 +12,11 @@ straight to L2, in the accumulator's register order (``_fragments``): a thread's
 values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds are
 16-byte vector reductions: ``redv4`` writes them in inline PTX (``red.global.add.v4.f32``),
 ``atomic`` leaves them to ``gl.atomic_add`` on the tile in _fragments' layout, which
-Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``. ``--show`` builds the tree's
-kernel and both copies for sm_90 on the CPU and prints their reductions and spills (at
-4x16x4096x128, free order, frag: 20/32 bytes of spill stores/loads in the tree's kernel,
-84/100 and 92/108 in the copies).
+Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``; ``redv4c`` computes dQ in
+two column halves and adds each as soon as it is done (half the accumulator registers
+live). ``--show`` builds the tree's kernel and the copies for sm_90 on the CPU and prints
+their reductions and spills (at 4x16x4096x128, free order, frag: 20/32 bytes of spill
+stores/loads in the tree's kernel, 84/100, 92/108 and 4/8 in the copies).
 
 The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
 --check`` compares them with the fp32 reference. The accumulator is the free order's
@@ -40,16 +41,17 @@ RED = '''
 
 @gluon.jit
 def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.constexpr,
-            V4: gl.constexpr):
+            V4: gl.constexpr, COL0: gl.constexpr = 0):
     """Add a [BLOCK_M, N] dQ tile (wgmma accumulator ``layout``) into its block of the
     register-order accumulator (see _fragments) with global reductions: row
     64 blk + 16 w + 8 h + a and column 8 j + 2 e' + e sit at
     64 N blk + 512 j + 128 w + 16 a + 4 e' + 2 h + e. With V4, one 16-byte
     ``red.global.add.v4.f32`` per four values (a thread's registers 4k..4k+3 are rows
     r, r + 8 and columns c, c + 1: contiguous there) in inline PTX; else ``gl.atomic_add``
-    on the tile in _fragments' layout, which Triton 3.6 vectorizes the same way."""
+    on the tile in _fragments' layout, which Triton 3.6 vectorizes the same way. A tile of
+    fewer columns than N (V4 only) holds columns COL0.. of the block."""
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    c = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    c = COL0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout))
     row_at = (r // 64) * (64 * N) + ((r // 16) % 4) * 128 + (r % 8) * 16 + ((r // 8) % 2) * 2
     col_at = (c // 8) * 512 + ((c % 8) // 2) * 4 + c % 2
     if V4:
@@ -63,6 +65,7 @@ def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.c
             "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), dq],
             dtype=gl.int32, is_pure=False, pack=4)
     else:
+        gl.static_assert(dq.shape[1] == N)
         # In _fragments' layout Triton sees each thread's four contiguous values and emits
         # one atom.global.add.v4.f32 per four (92/108 bytes of spills).
         x = _fragments(dq)
@@ -92,6 +95,33 @@ REDUCED = '''                    if DQ_LAYOUT == 2:
 '''
 
 
+# The free order's product and hand-off, from the product on (the chunked form replaces both).
+FREE = '''                else:
+                    dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
+'''
+
+CHUNKED = '''                elif DQ_LAYOUT == 2:
+                    # dQ in two column halves, each added as soon as it is done: half the
+                    # accumulator registers live at a time (no overlap between the halves).
+                    half: gl.constexpr = gl.NVMMADistributedLayout(
+                        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16])
+                    blk = (b * heads_q + hk * GQA + g).to(gl.int64) * n_m + start // BLOCK_M
+                    for hh in gl.static_range(2):
+                        dq = warpgroup_mma(ds_buf.permute((1, 0)),
+                                           k.slice(hh * (D // 2), D // 2, dim=1),
+                                           gl.zeros([BLOCK_M, D // 2], gl.float32, layout=half),
+                                           use_acc=False, is_async=True)
+                        if LEAN or hh == 1:
+                            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                        else:
+                            dq, dk, dv = warpgroup_mma_wait(num_outstanding=0,
+                                                            deps=(dq, dk, dv))
+                            mbarrier.arrive(q_empty.index(buf), count=1)
+                            mbarrier.arrive(do_empty.index(buf), count=1)
+                        _dq_red(Sem, dq, blk, BLOCK_M, D, half, True, hh * (D // 2))
+''' + FREE
+
+
 def _one(text: str, old: str, new: str, what: str) -> str:
     n = text.count(old)
     if n != 1:
@@ -99,7 +129,7 @@ def _one(text: str, old: str, new: str, what: str) -> str:
     return text.replace(old, new)
 
 
-def transform(t: str, v4: bool) -> str:
+def transform(t: str, v4: bool, chunked: bool = False) -> str:
     # The consumers get the kernel's Sem (the free order's accumulator) after DV.
     n = t.count("dq_empty, LSE, Delta, desc_dq, DK, DV,")
     if n < 2:
@@ -107,7 +137,8 @@ def transform(t: str, v4: bool) -> str:
     t = t.replace("dq_empty, LSE, Delta, desc_dq, DK, DV,",
                   "dq_empty, LSE, Delta, desc_dq, DK, DV, Sem,")
     t = _one(t, "\n\n@gluon.jit\ndef _bwd_consumer(", RED, "_dq_red")
-    return _one(t, STAGED, REDUCED.replace("V4)", f"{v4})"), "free-order staging")
+    t = _one(t, STAGED, REDUCED.replace("V4)", f"{v4})"), "free-order staging")
+    return _one(t, FREE, CHUNKED, "free-order product") if chunked else t
 
 
 def show(path: str) -> None:
@@ -221,10 +252,11 @@ def main() -> None:
     if args.show:
         print("head (the tree's kernel)")
         show(SRC)
-    for name, v4 in (("redv4", True), ("atomic", False)):
+    for name, v4, chunked in (("redv4", True, False), ("atomic", False, False),
+                              ("redv4c", True, True)):
         paths[name] = os.path.join(args.dir, f"attn_bwd_hopper_{name}.py")
         with open(paths[name], "w") as f:
-            f.write(transform(head, v4))
+            f.write(transform(head, v4, chunked))
         if args.show:
             print(name)
             show(paths[name])
