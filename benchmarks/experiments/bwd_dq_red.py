@@ -12,11 +12,12 @@ straight to L2, in the accumulator's register order (``_fragments``): a thread's
 values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds are
 16-byte vector reductions: ``redv4`` writes them in inline PTX (``red.global.add.v4.f32``),
 ``atomic`` leaves them to ``gl.atomic_add`` on the tile in _fragments' layout, which
-Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``; ``redv4c`` computes dQ in
-two column halves and adds each as soon as it is done (half the accumulator registers
-live). ``--show`` builds the tree's kernel and the copies for sm_90 on the CPU and prints
+Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``; ``redv4c`` and ``atomicc``
+compute dQ in two column halves and add each as soon as it is done (half the accumulator
+registers live). ``--show`` builds the tree's kernel and the copies for sm_90 on the CPU and prints
 their reductions and spills (at 4x16x4096x128, free order, frag: 20/32 bytes of spill
-stores/loads in the tree's kernel, 84/100, 92/108 and 4/8 in the copies).
+stores/loads in the tree's kernel, 84/100, 92/108, 4/8 and 0/0 in the copies; at D=64
+with 128-row tiles the tree's 0-8 against 48-64 / 76-116 in the chunked copies).
 
 The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
 --check`` compares them with the fp32 reference. The accumulator is the free order's
@@ -49,7 +50,7 @@ def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.c
     ``red.global.add.v4.f32`` per four values (a thread's registers 4k..4k+3 are rows
     r, r + 8 and columns c, c + 1: contiguous there) in inline PTX; else ``gl.atomic_add``
     on the tile in _fragments' layout, which Triton 3.6 vectorizes the same way. A tile of
-    fewer columns than N (V4 only) holds columns COL0.. of the block."""
+    fewer columns than N holds columns COL0.. of the block."""
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     c = COL0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout))
     row_at = (r // 64) * (64 * N) + ((r // 16) % 4) * 128 + (r % 8) * 16 + ((r // 8) % 2) * 2
@@ -65,13 +66,17 @@ def _dq_red(Acc, dq, block, BLOCK_M: gl.constexpr, N: gl.constexpr, layout: gl.c
             "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), dq],
             dtype=gl.int32, is_pure=False, pack=4)
     else:
-        gl.static_assert(dq.shape[1] == N)
         # In _fragments' layout Triton sees each thread's four contiguous values and emits
-        # one atom.global.add.v4.f32 per four (92/108 bytes of spills).
+        # one atom.global.add.v4.f32 per four (92/108 bytes of spills for a whole tile). A
+        # tile of W columns lays its column octet j' (two rows of 256) of 64-row block blk
+        # at row blk W / 4 + 2 j' + w // 2; in the block it belongs at
+        # blk N / 4 + 2 (j' + COL0 / 8) + w // 2.
+        W: gl.constexpr = dq.shape[1]
         x = _fragments(dq)
-        i = gl.arange(0, BLOCK_M * N // 256, layout=gl.SliceLayout(1, x.type.layout))
+        i = gl.arange(0, BLOCK_M * W // 256, layout=gl.SliceLayout(1, x.type.layout))
         e = gl.arange(0, 256, layout=gl.SliceLayout(0, x.type.layout))
-        gl.atomic_add(Acc + block * (BLOCK_M * N) + i[:, None] * 256 + e[None, :], x,
+        rows = (i // (W // 4)) * (N // 4) + COL0 // 4 + i % (W // 4)
+        gl.atomic_add(Acc + block * (BLOCK_M * N) + rows[:, None] * 256 + e[None, :], x,
                       sem="relaxed")
 
 
@@ -118,7 +123,7 @@ CHUNKED = '''                elif DQ_LAYOUT == 2:
                                                             deps=(dq, dk, dv))
                             mbarrier.arrive(q_empty.index(buf), count=1)
                             mbarrier.arrive(do_empty.index(buf), count=1)
-                        _dq_red(Sem, dq, blk, BLOCK_M, D, half, True, hh * (D // 2))
+                        _dq_red(Sem, dq, blk, BLOCK_M, D, half, V4, hh * (D // 2))
 ''' + FREE
 
 
@@ -138,7 +143,8 @@ def transform(t: str, v4: bool, chunked: bool = False) -> str:
                   "dq_empty, LSE, Delta, desc_dq, DK, DV, Sem,")
     t = _one(t, "\n\n@gluon.jit\ndef _bwd_consumer(", RED, "_dq_red")
     t = _one(t, STAGED, REDUCED.replace("V4)", f"{v4})"), "free-order staging")
-    return _one(t, FREE, CHUNKED, "free-order product") if chunked else t
+    return (_one(t, FREE, CHUNKED.replace("V4,", f"{v4},"), "free-order product") if chunked
+            else t)
 
 
 def show(path: str) -> None:
@@ -253,7 +259,7 @@ def main() -> None:
         print("head (the tree's kernel)")
         show(SRC)
     for name, v4, chunked in (("redv4", True, False), ("atomic", False, False),
-                              ("redv4c", True, True)):
+                              ("redv4c", True, True), ("atomicc", False, True)):
         paths[name] = os.path.join(args.dir, f"attn_bwd_hopper_{name}.py")
         with open(paths[name], "w") as f:
             f.write(transform(head, v4, chunked))
