@@ -48,6 +48,7 @@ from flashtune.timing import time_interleaved  # noqa: E402
 
 KEY = "flashtune.kernels.attn_bwd_hopper"
 DET_KNOBS: dict[str, Any] = {}  # --det-knobs
+FREE_KNOBS: dict[str, Any] = {}  # --free-knobs
 
 
 def load(name: str, path: str | None) -> Any:
@@ -164,6 +165,8 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
                 cfg = hopper_cfg(m, n, st)
                 if det and DET_KNOBS:
                     cfg = dataclasses.replace(cfg, **DET_KNOBS)
+                if not det and FREE_KNOBS:
+                    cfg = dataclasses.replace(cfg, **FREE_KNOBS)
                 try:
                     fns[label] = prepared(mod, do, qd, kd, vd, o, lse, cfg, causal, (-1, -1),
                                           0.0, scale, det)[1]
@@ -180,7 +183,7 @@ def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:
     ms = {n: t.median_ms for n, t in zip(names, timings, strict=True)}
     flops = 4 * 2.5 * b * h * s * s * d * (0.5 if causal else 1.0)
     return dict(shape=list(shape), ms=ms, shipped=repr(ship), errors=errors,
-                det_knobs=DET_KNOBS,
+                det_knobs=DET_KNOBS, free_knobs=FREE_KNOBS,
                 tflops={n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()})
 
 
@@ -202,9 +205,13 @@ def main() -> None:
     ap.add_argument("--det-knobs", default="{}",
                     help="JSON of BwdConfig fields for the timed fixed-order configs, e.g. "
                          "'{\"hopper_dq_groups\": 1}' (the shipped D=128 entries' choice)")
+    ap.add_argument("--free-knobs", default="{}",
+                    help="JSON of BwdConfig fields for the timed free-order configs (without "
+                         "it they run the defaults of hopper_cfg: hopper_dq_frag off)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     DET_KNOBS.update(json.loads(args.det_knobs))
+    FREE_KNOBS.update(json.loads(args.free_knobs))
     mods = {}
     for spec in args.variant:
         name, _, path = spec.partition("=")
