@@ -1,29 +1,31 @@
-"""The free order's dQ added from registers: a copy of ``flashtune/kernels/attn_bwd_hopper.py``
+"""The free order's dQ added from registers: copies of ``flashtune/kernels/attn_bwd_hopper.py``
 whose free order with ``hopper_dq_frag`` adds each consumer's fp32 dQ tile to the
-accumulator with global reductions (``gl.atomic_add``, relaxed) instead of staging it in
-shared memory for one TMA reduce-add.
+accumulator with global reductions (inline PTX or ``gl.atomic_add``, relaxed) instead of
+staging it in shared memory for one TMA reduce-add.
 
-Why: session 50's ablation (``bwd_ablate.py``, ``nostage`` with the product kept) took the
-free order from 0.83-0.85x to 1.11-1.17x cuDNN at head dim 128 by leaving out the staging
-stores, while leaving out only the reduce-adds gained nothing. Staging means a 32 KB
-``STS.128`` burst per consumer and query tile into a single buffer that the previous
-tile's reduce-add must have read first. Added from registers, each thread's values go
-straight to L2, in the accumulator's register order (``_fragments``): a thread's four
-values (rows r and r + 8, columns c and c + 1) are contiguous there, so the adds are
-16-byte vector reductions: ``redv4`` writes them in inline PTX (``red.global.add.v4.f32``),
-``atomic`` leaves them to ``gl.atomic_add`` on the tile in _fragments' layout, which
-Triton 3.6 lowers to ``atom.global.gpu.relaxed.add.v4.f32``; ``redv4c`` and ``atomicc``
-compute dQ in two column halves and add each as soon as it is done (half the accumulator
-registers live). ``--show`` builds the tree's kernel and the copies for sm_90 on the CPU and prints
-their reductions and spills (at 4x16x4096x128, free order, frag: 20/32 bytes of spill
+Why: session 50's ablation (``bwd_ablate.py``, ``nostage`` with the product kept; its free
+order ran with dQ staged in rows, frag off) took the free order from 0.83-0.85x to
+1.11-1.17x cuDNN at head dim 128 by leaving out the staging stores, while leaving out only
+the reduce-adds gained nothing. Staging means a 32 KB burst of stores per consumer and
+query tile into a single buffer that the previous tile's reduce-add must have read first.
+Added from registers, each thread's values go straight to L2, in the accumulator's register
+order (``_fragments``): a thread's four values (rows r and r + 8, columns c and c + 1) are
+contiguous there, so the adds are 16-byte vector reductions. ``redv4`` writes them in
+inline PTX (``red.global.add.v4.f32``); ``atomic`` leaves them to ``gl.atomic_add`` on the
+tile in _fragments' layout, which Triton 3.6 lowers to
+``atom.global.gpu.relaxed.add.v4.f32``; ``redv4c`` and ``atomicc`` compute dQ in two column
+halves and add each as soon as it is done (half the accumulator registers live).
+``--show`` builds the tree's kernel and the copies for sm_90 on the CPU and prints their
+reductions and spills (at 4x16x4096x128, free order, frag: 20/32 bytes of spill
 stores/loads in the tree's kernel, 84/100, 92/108, 4/8 and 0/0 in the copies; at D=64
 with 128-row tiles the tree's 0-8 against 48-64 / 76-116 in the chunked copies).
+None of them has run on a GPU yet.
 
 The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
 --check`` compares them with the fp32 reference. The accumulator is the free order's
 (``HopperBwdLaunch`` passes it as ``Sem`` there), so the host code is unchanged.
 
-    python3 benchmarks/experiments/bwd_dq_red.py --dir D --ab out.json --check redv4
+    python3 benchmarks/experiments/bwd_dq_red.py --dir D --ab out.json --check atomicc,redv4c
     python3 benchmarks/experiments/bwd_dq_red.py --dir D   # prints hopper_bwd_ab --variant args
     PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\
         benchmarks/experiments/bwd_dq_red.py --dir D --show

@@ -12,7 +12,9 @@ matrix's head-dim-128 accumulators:
     python3 benchmarks/experiments/dq_finish_ab.py --check [--out ab.json]
     TRITON_INTERPRET=1 python3 benchmarks/experiments/dq_finish_ab.py --check --small
 
-Session 49 wrote it with no GPU lent: the flat copy is checked in the interpreter only.
+Session 50 ran it on an H200 (``dq_finish_ab_h200_s50.json``): equal bit for bit on all
+seven accumulators, the flat copy 0.956-0.978x the shipped gather's time (about 2 us of
+55): not worth staling the frag entries for.
 """
 
 from __future__ import annotations
