@@ -19,7 +19,9 @@ halves and add each as soon as it is done (half the accumulator registers live).
 reductions and spills (at 4x16x4096x128, free order, frag: 20/32 bytes of spill
 stores/loads in the tree's kernel, 84/100, 92/108, 4/8 and 0/0 in the copies; at D=64
 with 128-row tiles the tree's 0-8 against 48-64 / 76-116 in the chunked copies).
-None of them has run on a GPU yet.
+On the H200 (session 51, BENCHMARKS.md) ``atomicc`` and ``redv4c`` pass the correctness
+grid, and every copy runs 10-30% slower than the staged kernel (free order with frag,
+four shapes at D=128 and D=64): not adopted.
 
 The free order's gradients are not bit-reproducible either way; ``hopper_bwd_ab.py
 --check`` compares them with the fp32 reference. The accumulator is the free order's

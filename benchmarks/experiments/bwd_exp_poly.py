@@ -22,7 +22,12 @@ Built for sm_90 with Triton 3.6 (``--show``, 4x16x4096x128, frag): the tree's ke
 issues 64 ``ex2`` per consumer thread and query tile; ``poly2`` 32 and 96 more FMAs,
 ``poly4`` 48 and 48 more; spills unchanged (fixed order 0-4 bytes, free 20/32). The
 polynomial was checked in NumPy's float32 over [-140, 1] and -inf: relative error at most
-1.01e-4 from -125 up, 2^-126 below, never negative or NaN. Not run on a GPU.
+1.01e-4 from -125 up, 2^-126 below, never negative or NaN.
+
+On the H200 (session 51, BENCHMARKS.md): ``poly2`` passes the correctness grid; at the
+default tiles the fixed order ran 0.96-1.04x (``poly4`` 1.00-1.04x) the kernel's speed,
+but with the shipped configs (``bwd_shipped_variants.py``) ``poly4`` ran 1.00-1.02x at
+D=128 unmasked, 0.96-0.98x at D=128 causal and 0.93-1.00x at D=64: not adopted.
 
     python3 benchmarks/experiments/bwd_exp_poly.py --dir D    # prints --variant arguments
     PYTHONPATH=<triton 3.6>:<tree>:<tree>/benchmarks python3 \\

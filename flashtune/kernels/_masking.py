@@ -46,6 +46,39 @@ def _inner_range(start, inner_len, offset, left, right,
     return lo, full_lo, full_hi, hi
 
 
+def _tdiv(a: int, b: int) -> int:
+    """Integer division as the kernels do it (towards zero), for b > 0."""
+    return a // b if a >= 0 else -(-a // b)
+
+
+def inner_range_host(start: int, inner_len: int, offset: int, left: int, right: int,
+                     block_outer: int, block_inner: int, mask_left: bool, mask_right: bool,
+                     ) -> tuple[int, int, int, int]:
+    """``_inner_range`` on the host, for Python ints, with the kernels' integer division
+    (towards zero; ``tl.cdiv(x, b)`` is ``(x + b - 1) / b`` so): (lo, full_lo, full_hi, hi)."""
+    def cdiv(x: int) -> int:
+        return _tdiv(x + block_inner - 1, block_inner)
+
+    last = start + block_outer - 1
+    hi = inner_len
+    if mask_right:
+        hi = min(hi, last + offset + right + 1)
+    hi = cdiv(max(hi, 0)) * block_inner
+    lo = 0
+    if mask_left:
+        lo = _tdiv(max(start + offset - left, 0), block_inner) * block_inner
+    lo = min(lo, hi)
+    full_hi = _tdiv(inner_len, block_inner) * block_inner
+    if mask_right:
+        full_hi = min(full_hi, _tdiv(start + offset + right + 1, block_inner) * block_inner)
+    full_lo = lo
+    if mask_left:
+        full_lo = max(full_lo, cdiv(last + offset - left) * block_inner)
+    full_lo = min(full_lo, hi)
+    full_hi = min(max(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
 @triton.jit
 def _tile_coords(tile, n_m, bh_total, chunk, ORDER: tl.constexpr):
     """(batch * heads + head, query block) of a work tile. ORDER 0: query blocks fastest, in

@@ -34,7 +34,10 @@ the layout of the accumulator in global memory, or in the order the wgmma leaves
 values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
 memory; the accumulator then keeps each (query tile, column chunk) as such a block, and
 the cast at the end puts it back in rows. The order of the fp32 sums is the same either
-way, so the fixed order's gradients are the same bits.
+way, so the fixed order's gradients are the same bits. With ``hopper_dq_store_first`` the
+fixed order's first turn on each query tile stores its chunks instead of adding them, so
+that accumulator needs no zeroing per call (see ``_bwd_dq_writer`` and
+``unvisited_query_tiles``).
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
 rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. The producer
@@ -71,6 +74,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
+from flashtune.kernels._masking import inner_range_host
 from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
 from flashtune.kernels.config import (
     DEFAULT_SMEM_BYTES,
@@ -91,6 +95,19 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 LOG2E = gl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log LSE -> log2 domain
+
+
+@gluon.jit
+def _bulk_writes_done():
+    """Wait until this thread's bulk asynchronous copies have completed their writes to
+    global memory (``cp.async.bulk.wait_group 0``; ``tma.store_wait`` waits only until
+    they have read their shared-memory sources), then order those writes (async proxy)
+    before this thread's later generic accesses, such as a release. For a one-warp
+    partition."""
+    lane: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, 0;", "=r,r",
+        [gl.full([32], 0, gl.int32, lane)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -277,7 +294,7 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                    seq_k, offset, left, right, n_m, GQA: gl.constexpr, WALK: gl.constexpr,
                    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr):
+                   DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr, STORE_FIRST: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
@@ -325,10 +342,19 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                               ((cnt * CHUNKS + c) // DQ_RING) & 1)
                 if DQ_LAYOUT == 2:  # the block of this query tile and column chunk
                     block = (start // BLOCK_M) * (D // DQ_CHUNK) + cid * CHUNKS + c
-                    _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0],
-                                    dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                                        gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256],
-                                        desc_dq.layout))
+                    if STORE_FIRST:  # the first turn stores: the accumulator is not zeroed
+                        src = dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                            gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256], desc_dq.layout)
+                        if turn == 0:
+                            tma.async_copy_shared_to_global(
+                                desc_dq, [b * heads_q + h, block, 0, 0], src)
+                        else:
+                            _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0], src)
+                    else:
+                        _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0],
+                                        dq_smem.index(cid * DQ_RING + slot)._reinterpret(
+                                            gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256],
+                                            desc_dq.layout))
                 elif DQ_LAYOUT == 1:
                     _tma_reduce_add(desc_dq, [b, h, (cid * DQ_COLS + c * DQ_CHUNK) // 8, start, 0],
                                     dq_smem.index(cid * DQ_RING + slot)._reinterpret(
@@ -342,6 +368,11 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
             for c in gl.static_range(CHUNKS):
                 mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
                                 count=1)
+            if STORE_FIRST:
+                if turn == 0:
+                    # The next turn's reduce-adds must find the stores done, not only
+                    # their sources read: wait for the writes themselves.
+                    _bulk_writes_done()
             gl.atomic_xchg(sem, turn + 1, sem="release")
             cnt += 1
 
@@ -665,7 +696,7 @@ def _attn_bwd_hopper_kernel(
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
-    KV_REGS: gl.constexpr,
+    KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -761,10 +792,12 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
+                                  STORE_FIRST)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
+                                  STORE_FIRST)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
@@ -785,7 +818,8 @@ def _attn_bwd_hopper_kernel(
                                  MASK_RIGHT, STAGE_LSE)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
-                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT)),
+                                  ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
+                                  STORE_FIRST)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -949,6 +983,33 @@ def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) 
 
 
 
+def unvisited_query_tiles(seq_q: int, seq_k: int, block_m: int, block_n: int, left: int,
+                          right: int, mask_left: bool, mask_right: bool,
+                          ) -> list[tuple[int, int]]:
+    """The runs [a, z) of query tiles that no key tile's walk reaches (the kernel's own
+    ranges, ``_kv_range`` from the key side): their rows see no key, their dQ is zero, and
+    no turn stores it. Empty unless a mask leaves whole query tiles without keys (a causal
+    diagonal with Sq > Sk, a window past the keys)."""
+    n_m = -(-seq_q // block_m)
+    seen = [0] * (n_m + 1)
+    for n0 in range(0, seq_k, block_n):
+        lo, _, _, hi = inner_range_host(n0, seq_q, seq_q - seq_k, right, left, block_n, block_m,
+                                        mask_right, mask_left)
+        if hi > lo:
+            seen[lo // block_m] += 1
+            seen[min(hi // block_m, n_m)] -= 1
+    runs: list[tuple[int, int]] = []
+    depth = 0
+    for t in range(n_m):
+        depth += seen[t]
+        if depth == 0:
+            if runs and runs[-1][1] == t:
+                runs[-1] = (runs[-1][0], t + 1)
+            else:
+                runs.append((t, t + 1))
+    return runs
+
+
 def check_launch_plan(c: BwdConfig, head_dim: int, deterministic: bool) -> None:
     """Raise :class:`InfeasibleConfigError` where ``c`` passes the feasibility formula but
     its launch's buffers cannot be planned (:func:`_smem_plan`); the search space asks
@@ -1017,10 +1078,19 @@ class HopperBwdLaunch:
         dq_cols = dq_chunk(c, d, deterministic)
         groups = bool(c.hopper_dq_groups) and deterministic
         self.frag = bool(c.hopper_dq_frag)
+        # The accumulator's blocks to zero per call: all of them, or with
+        # hopper_dq_store_first (fixed order, frag) only those of query tiles no key tile
+        # visits: the first turn of every other tile stores its dQ (see _bwd_dq_writer).
+        self.zero_blocks: list[tuple[int, int]] | None = None
+        store_first = bool(c.hopper_dq_store_first) and self.frag and deterministic
+        if store_first:
+            per_tile = d // dq_cols
+            self.zero_blocks = [(a * per_tile, z * per_tile) for a, z in unvisited_query_tiles(
+                sq, sk, m, n, left, right, mask_left, mask_right)]
         if self.frag:
             # Each (query tile, column chunk) is a contiguous block of m * dq_cols values in
-            # the consumers' register order (see _fragments), zeroed per call (a padded
-            # last tile included) and put back in rows by _dq_finish_fragments.
+            # the consumers' register order (see _fragments), a padded last tile included,
+            # put back in rows by _dq_finish_fragments.
             rows = m * dq_cols // 256
             self.acc_shape = (b * hq, n_m * (d // dq_cols), rows, 256)
             tacc = _template(self.acc_shape, torch.float32, q.device, [1, 1, rows, 256],
@@ -1057,7 +1127,7 @@ class HopperBwdLaunch:
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
                  STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
-                 KV_REGS=bool(c.hopper_kv_regs),
+                 KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
                  num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         if self.frag:
@@ -1091,7 +1161,11 @@ class HopperBwdLaunch:
         if self.frag:
             # Zeroed here, not where it is allocated: the tuner times run() on buffers
             # made once, and must time (and repeat correctly) what every call does.
-            dq_acc.zero_()
+            if self.zero_blocks is None:
+                dq_acc.zero_()
+            else:
+                for a, z in self.zero_blocks:
+                    dq_acc[:, a:z].zero_()
         self.pre(o, do, delta, dq_acc)
         if self.deterministic:
             sem.zero_()

@@ -197,6 +197,11 @@ class BwdConfig:
                                "accumulator) in the order of the wgmma's registers, with "
                                "16-byte stores free of bank conflicts; 0 in rows (or column "
                                "groups)", variants=_BH)
+    hopper_dq_store_first: int = knob(0, (0, 1), "Hopper, fixed dQ order with "
+                                      "hopper_dq_frag=1: 1 stores each query tile's first dQ "
+                                      "turn instead of adding it, so the fp32 accumulator is "
+                                      "not zeroed per call; the next turn then waits for the "
+                                      "stores to complete", variants=_BH)
 
     kind = "bwd"
 
@@ -615,6 +620,12 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
             "bwd hopper: hopper_dq_groups=1 stages the fixed dQ order's chunks, and this "
             "deterministic=False call runs the free order; use 0, or hopper_dq_fixed=1 to "
             "keep the fixed order")
+    if c.hopper_dq_store_first and not (c.hopper_dq_frag and fixed):
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_store_first=1 stores the first of the fixed dQ order's "
+            "turns into the accumulator of hopper_dq_frag=1: it needs hopper_dq_frag=1 and "
+            "a call that runs the fixed order (deterministic, hopper_dq_fixed=1, or a free "
+            "order that does not fit); use 0")
     if c.hopper_dq_groups and c.hopper_dq_frag:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_groups=1 and hopper_dq_frag=1 are two layouts of one dQ "

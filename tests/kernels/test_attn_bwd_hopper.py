@@ -244,6 +244,65 @@ def _tuner_launch(seed: int) -> list[str]:
     return failures
 
 
+def _store_first(seed: int) -> list[str]:
+    """``hopper_dq_store_first``: the fixed order with dQ in register order stores each
+    query tile's first dQ turn instead of adding it to a zeroed accumulator, and zeroes
+    only the tiles no key tile visits (a causal diagonal or a window with Sq > Sk leaves
+    whole tiles without keys). With the accumulator filled with NaN before the launch, the
+    gradients must still be those of dQ staged in rows (zeroed by the preprocess, every
+    turn added), bit for bit, run after run on the same buffers."""
+    import torch
+
+    from flashtune.kernels.attn_bwd import attn_bwd
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch, unvisited_query_tiles
+    from flashtune.kernels.attn_fwd import attn_fwd, mask_params, score_scales
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, default_fwd
+    from flashtune.problem import Problem, default_scale, effective_window
+
+    from .helpers import make_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, tiles in ((Problem(2, 4, 2, 1000, 300, 128, "bf16", True, deterministic=True),
+                      (64, 128)),
+                     (Problem(1, 6, 3, 900, 200, 64, "fp16", False, (64, 16),
+                              deterministic=True), (128, 128)),
+                     (Problem(1, 4, 4, 777, 777, 128, "bf16", True, deterministic=True),
+                      (64, 128)),
+                     (Problem(2, 4, 1, 513, 700, 64, "bf16", False, deterministic=True),
+                      (64, 64))):
+        q, k, v, do = make_qkv(p, "cuda", "bhsd", gen)
+        window = effective_window(p.window, p.seqlen_q, p.seqlen_k)
+        scale = default_scale(p.head_dim)
+        kw = dict(causal=p.causal, sm_scale=scale, window=window, softcap=0.0)
+        o, lse = attn_fwd(q, k, v, config=default_fwd(p), **kw)
+        base = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_block_m=tiles[0],
+                                   hopper_block_n=tiles[1], hopper_stages=2,
+                                   hopper_dq_groups=0)
+        rows = attn_bwd(do, q, k, v, o, lse, config=dataclasses.replace(base, hopper_dq_frag=0),
+                        deterministic=True, **kw)
+        mask = mask_params(p.causal, window)
+        empty = unvisited_query_tiles(p.seqlen_q, p.seqlen_k, tiles[0], tiles[1], *mask)
+        if (p.seqlen_q > p.seqlen_k) != bool(empty):
+            failures.append(f"{p}: unvisited query tiles {empty}")
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=scale, mask=mask,
+                                 scales=score_scales(scale, 0.0), softcap=0.0,
+                                 config=dataclasses.replace(base, hopper_dq_frag=1,
+                                                            hopper_dq_store_first=1),
+                                 deterministic=True)
+        bufs = launch.buffers(q, k, v, lse)
+        for run in range(2):
+            bufs[5].fill_(float("nan"))
+            launch.run(do, q, k, v, o, bufs)
+            torch.cuda.synchronize()
+            for name, a, b in zip("dq dk dv".split(), bufs[:3], rows, strict=True):
+                if not torch.equal(a, b):
+                    err = (a.float() - b.float()).abs().max().item()
+                    failures.append(f"{p} {tiles} run {run}: {name} differs from dQ staged in "
+                                    f"rows (max abs difference {err:.3g})")
+    return failures
+
+
 def _defaults(seed: int) -> list[str]:
     """What a call with no tuned entry is served from 1k queries and keys (session 42's
     default rule): the Hopper backward's default config, K and V in registers at D=64,
@@ -298,7 +357,8 @@ def needs_hopper() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
-                                   "_bound_launches", "_defaults", "_tuner_launch"])
+                                   "_bound_launches", "_defaults", "_tuner_launch",
+                                   "_store_first"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

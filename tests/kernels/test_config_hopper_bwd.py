@@ -197,7 +197,7 @@ def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
-            "hopper_kv_regs", "hopper_dq_frag", "pre_block_m",
+            "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -559,3 +559,73 @@ def test_dq_frag_is_a_knob_of_both_orders_and_the_default_at_d128(on_hopper: Non
             acc.fill_(3.0)  # what a previous call's reduce-adds left
             launch.run(do, q, k, v, o, bufs)
         assert seen == [("pre", 0.0), ("main", 0.0), ("finish", 0.0)] * 2
+
+
+def test_dq_store_first_is_a_fixed_order_frag_knob(on_hopper: None) -> None:
+    """``hopper_dq_store_first``: the fixed order's first turn stores its dQ into the
+    register-order accumulator, which run() then leaves unzeroed (only the tiles no key
+    tile visits are zeroed). Configs written before it read as 0; it needs
+    ``hopper_dq_frag=1`` and a call that runs the fixed order, and says so."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
+
+    old = config_to_dict(HOP)
+    del old["hopper_dq_store_first"]
+    assert config_from_dict("bwd", old).hopper_dq_store_first == 0
+    first = dataclasses.replace(HOP, hopper_dq_frag=1, hopper_dq_store_first=1)
+    assert config_from_dict("bwd", config_to_dict(first)) == first
+    det = dataclasses.replace(P, deterministic=True)
+    free = dataclasses.replace(P, deterministic=False)
+    check_bwd(first, det)
+    check_bwd(dataclasses.replace(first, hopper_dq_fixed=1), free)
+    for c, p in ((dataclasses.replace(first, hopper_dq_frag=0), det), (first, free)):
+        with pytest.raises(InfeasibleConfigError, match="hopper_dq_store_first=1 .* needs "
+                                                        "hopper_dq_frag=1 and a call that "
+                                                        "runs the fixed order"):
+            check_bwd(c, p)
+    b, h, sq, sk, d = 1, 2, 1000, 300, 128
+    q, do, o = (torch.randn(b, h, sq, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(b, h, sk, d, dtype=torch.bfloat16) for _ in range(2))
+    plans = {}
+    for name, cfg in (("first", first), ("frag", dataclasses.replace(first,
+                                                                     hopper_dq_store_first=0))):
+        plans[name] = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(0, 0, False, True),
+                                      scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                                      deterministic=True).zero_blocks
+    # Causal, Sq - Sk = 700: rows 0-699 see no key; 64-row tiles 0-9 hold only such rows,
+    # each tile two blocks of 64 columns.
+    assert plans == {"first": [(0, 20)], "frag": None}
+
+
+@pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (64, 64)])
+def test_unvisited_query_tiles_see_no_key(blocks: tuple[int, int]) -> None:
+    """The query tiles that ``hopper_dq_store_first`` zeroes because no key tile's walk
+    reaches them: every row of such a tile sees no key under the visibility rule, the runs
+    are sorted, disjoint and merged, and with Sq <= Sk + right (every row sees a key)
+    there are none."""
+    import random
+
+    from flashtune.kernels.attn_bwd_hopper import unvisited_query_tiles
+
+    rng = random.Random(11)
+    m, n = blocks
+    seen_some = False
+    for _ in range(300):
+        sq, sk = rng.randint(1, 1500), rng.randint(1, 1500)
+        left = rng.choice([-1, rng.randint(0, 300)])
+        right = rng.choice([-1, 0, rng.randint(0, 300)])
+        mask_left, mask_right = left >= 0, right >= 0
+        runs = unvisited_query_tiles(sq, sk, m, n, left, right, mask_left, mask_right)
+        assert runs == sorted(runs) and all(a < z for a, z in runs)
+        assert all(z1 < a2 for (_, z1), (a2, _) in zip(runs, runs[1:], strict=False))
+        off = sk - sq
+        for a, z in runs:
+            for x in range(a * m, min(z * m, sq)):
+                lo = max(x + off - left, 0) if mask_left else 0
+                hi = min(x + off + right, sk - 1) if mask_right else sk - 1
+                assert lo > hi, (sq, sk, left, right, x)
+        if not mask_right or sq <= sk + right:
+            assert runs == [] or mask_left, (sq, sk, left, right, runs)
+        seen_some |= bool(runs)
+    assert seen_some

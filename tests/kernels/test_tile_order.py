@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtune.kernels._masking import _tile_coords
+from flashtune.kernels._masking import _inner_range, _tile_coords, inner_range_host
 from flashtune.kernels.config import l2_chunk_heads
 
 
@@ -74,3 +74,40 @@ def test_l2_chunk_heads() -> None:
     assert l2_chunk_heads(2048, 128, 2, 1, 4096, 50 * mb) == 25
     assert l2_chunk_heads(512, 64, 2, 1, 4096, 50 * mb) == 200
     assert l2_chunk_heads(512, 128, 4, 1, 4096, 50 * mb) == 50
+
+
+@triton.jit
+def _range_kernel(OUT, ARGS, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr,
+                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    i = tl.program_id(0)
+    lo, full_lo, full_hi, hi = _inner_range(
+        tl.load(ARGS + 5 * i), tl.load(ARGS + 5 * i + 1), tl.load(ARGS + 5 * i + 2),
+        tl.load(ARGS + 5 * i + 3), tl.load(ARGS + 5 * i + 4), BLOCK_OUTER, BLOCK_INNER,
+        MASK_LEFT, MASK_RIGHT)
+    tl.store(OUT + 4 * i, lo)
+    tl.store(OUT + 4 * i + 1, full_lo)
+    tl.store(OUT + 4 * i + 2, full_hi)
+    tl.store(OUT + 4 * i + 3, hi)
+
+
+@pytest.mark.parametrize("blocks", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("mask_left, mask_right", [(False, False), (False, True), (True, False),
+                                                   (True, True)])
+def test_host_inner_range_is_the_kernels(blocks: tuple[int, int], mask_left: bool,
+                                         mask_right: bool) -> None:
+    """``inner_range_host`` (the host's copy, for the Hopper backward's launch plan) gives
+    what the kernels' ``_inner_range`` computes, negative offsets and ranges included
+    (integer division towards zero there)."""
+    gen = torch.Generator().manual_seed(7)
+    n = 48
+    args = torch.stack([
+        torch.randint(0, 30, (n,), generator=gen) * blocks[0],   # start: a tile's first row
+        torch.randint(1, 1500, (n,), generator=gen),             # inner length
+        torch.randint(-1500, 1500, (n,), generator=gen),         # offset = Sk - Sq
+        torch.randint(0, 400, (n,), generator=gen),              # left
+        torch.randint(0, 400, (n,), generator=gen)], 1).to(torch.int32)
+    out = torch.full((n, 4), -7, dtype=torch.int32)
+    _range_kernel[(n,)](out, args, BLOCK_OUTER=blocks[0], BLOCK_INNER=blocks[1],
+                        MASK_LEFT=mask_left, MASK_RIGHT=mask_right)
+    for a, got in zip(args.tolist(), out.tolist(), strict=True):
+        assert list(inner_range_host(*a, *blocks, mask_left, mask_right)) == got, a
