@@ -34,10 +34,7 @@ the layout of the accumulator in global memory, or in the order the wgmma leaves
 values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
 memory; the accumulator then keeps each (query tile, column chunk) as such a block, and
 the cast at the end puts it back in rows. The order of the fp32 sums is the same either
-way, so the fixed order's gradients are the same bits. With ``hopper_dq_store_first`` the
-fixed order's first turn on each query tile stores its chunks instead of adding them, so
-that accumulator needs no zeroing per call (see ``_bwd_dq_writer`` and
-``unvisited_query_tiles``).
+way, so the fixed order's gradients are the same bits.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
 rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. The producer
