@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from bwd_ablate import _one  # (this folder is the script's sys.path[0])
+
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "flashtune",
                    "kernels", "attn_bwd_hopper.py")
 
@@ -88,13 +90,6 @@ def _bulk_writes_done_if_first(turn):
 @gluon.jit
 def _bwd_producer('''
 FORCE = "store_first = bool(c.hopper_dq_store_first) and self.frag and deterministic"
-
-
-def _one(text: str, old: str, new: str, what: str) -> str:
-    n = text.count(old)
-    if n != 1:
-        raise SystemExit(f"{what}: expected the anchor once, found it {n} times: {old[:60]!r}")
-    return text.replace(old, new)
 
 
 def transform(text: str, force: bool = False) -> str:
