@@ -153,9 +153,9 @@ STORE_FIRST_MAX_KEYS = 1024
 def _hopper_store_first(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The fixed dQ order with its first turn stored, so the fp32 accumulator is not zeroed
     per call (``hopper_dq_store_first``), at up to 1k keys: zeroing it costs the same at
-    every length of the standard rows, about 40 us there, but the stores' wait delays the
-    next turn on every query tile. With the shipped configs (H200, session 51) it ran
-    32x16x512x128 1.04x as fast, and the D=128 rows of 1k keys and more 0.77-1.00x. A
+    every length of the standard rows, about 35 us there, but the knob's code costs the
+    consumers registers (spills) on every tile. With the shipped configs (H200, session 51)
+    it ran 32x16x512x128 1.04x as fast, and the D=128 rows of 1k keys and more 0.77-1.00x. A
     ``deterministic=False`` call takes it with the fixed order (``hopper_dq_fixed``)."""
     if p.seqlen_k > STORE_FIRST_MAX_KEYS:
         return {}
