@@ -145,21 +145,23 @@ def _hopper_frag(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_dq_frag": 1, "hopper_dq_groups": 0}
 
 
-# Up to this many keys the prior adds a point that stores the fixed order's first dQ turn
-# (see _hopper_store_first).
-STORE_FIRST_MAX_KEYS = 1024
+# Up to this many keys the store-first point branches on the dQ turn in the writer
+# (hopper_dq_store_first=1); beyond, it issues both TMA ops instead (=2; see
+# _hopper_store_first).
+STORE_FIRST_BRANCH_MAX_KEYS = 1024
 
 
 def _hopper_store_first(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The fixed dQ order with its first turn stored, so the fp32 accumulator is not zeroed
-    per call (``hopper_dq_store_first``), at up to 1k keys: zeroing it costs the same at
-    every length of the standard rows, about 35 us there, but the knob's code costs the
-    consumers registers (spills) on every tile. With the shipped configs (H200, session 51)
-    it ran 32x16x512x128 1.04x as fast, and the D=128 rows of 1k keys and more 0.77-1.00x. A
-    ``deterministic=False`` call takes it with the fixed order (``hopper_dq_fixed``)."""
-    if p.seqlen_k > STORE_FIRST_MAX_KEYS:
-        return {}
-    return {"hopper_dq_store_first": 1, **({} if p.deterministic else {"hopper_dq_fixed": 1})}
+    per call (``hopper_dq_store_first``): zeroing it costs the same at every length of the
+    standard rows, about 35 us there. The writer's runtime branch on the turn (=1) costs
+    the consumers registers (spills) on every tile; issuing both TMA ops, one of them out
+    of bounds (=2), does not. With the shipped configs (H200, session 52) =1 ran
+    32x16x512x128 and 16x16x1024x128 1.09x and 1.07x as fast as without the knob, =2 1.06x
+    and 1.03x; from 2k keys =1 ran 0.78-0.98x, =2 1.00-1.04x. A ``deterministic=False``
+    call takes it with the fixed order (``hopper_dq_fixed``)."""
+    form = 1 if p.seqlen_k <= STORE_FIRST_BRANCH_MAX_KEYS else 2
+    return {"hopper_dq_store_first": form, **({} if p.deterministic else {"hopper_dq_fixed": 1})}
 
 
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
@@ -185,6 +187,11 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first)),
     ],
 }
+
+
+# Compute-capability major -> moves tried on a key's stale or shipped winner (see
+# winner_points): a knob that landed after the winner was tuned.
+WINNER_MOVES: dict[int, tuple[Move, ...]] = {9: (_hopper_store_first,)}
 
 
 def _major(capability: str) -> int | None:
@@ -220,5 +227,23 @@ def prior_points(direction: str, problem: Problem, capability: str) -> list[dict
         while not _feasible(point, problem) and point["dq_block_m"] > MIN_BLOCK:
             point["dq_block_m"] //= 2
         if _feasible(point, problem) and point != base and point not in out:
+            out.append(point)
+    return out
+
+
+def winner_points(direction: str, winner: dict[str, Any], problem: Problem,
+                  capability: str) -> list[dict[str, Any]]:
+    """``winner`` (a key's stale or shipped winner, a full config dict) with each of the
+    architecture's winner moves applied, feasible ones that differ from it only, in order.
+    A knob that landed after the winner was tuned sits one move from it, but a short
+    search seeded with the winner polishes it only if it has time for that field, and a
+    prior point carries the knob with the default's tiles, not the winner's."""
+    major = _major(capability)
+    if direction != "bwd" or major is None:
+        return []
+    out: list[dict[str, Any]] = []
+    for move in WINNER_MOVES.get(major, ()):
+        point = {**winner, **move(winner, problem)}
+        if point != winner and point not in out and _feasible(point, problem):
             out.append(point)
     return out

@@ -76,7 +76,7 @@ from flashtune._env import interpreting, setenv
 from flashtune.autotune._compile import CompilePool
 from flashtune.autotune._isolation import Worker
 from flashtune.autotune.candidates import RIVAL_MARGIN, family
-from flashtune.autotune.priors import prior_points
+from flashtune.autotune.priors import prior_points, winner_points
 from flashtune.autotune.search import ProgressFn, Search, Settings
 from flashtune.autotune.space import Config, SearchSpace
 from flashtune.autotune.study import (
@@ -125,7 +125,8 @@ class TuneResult:
     of which ``complete`` passed the gate, ``failed`` failed it or crashed, and
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
     rule before compiling. ``winner_source`` says where the winner came from: "sampler",
-    a warm-start seed ("default", "stale", "shipped", "nearest", "device:NAME", "prior",
+    a warm-start seed ("default", "stale", "shipped", "stale+" or "shipped+" (that winner
+    with a knob added since), "nearest", "device:NAME", "prior",
     "variant"), "compose", "polish" or "grid". ``compile_seconds`` is the compile time on
     the critical path: waiting for the compile pool plus the first launch in the timing
     worker (a compile, or a load from Triton's cache); ``pool_compile_seconds`` is the
@@ -240,7 +241,9 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
                   n_nearest: int = 3) -> list[tuple[dict[str, Any], str]]:
     """Warm-start points, in order: the key's stale winners on this device (the
     database's, then the shipped layer's; what an upgrade made stale is the best prior
-    there is), the shipped layer's winner for the key on this device, the heuristic
+    there is), the shipped layer's winner for the key on this device, each followed by
+    itself with the knobs that landed since (:func:`~flashtune.autotune.priors.
+    winner_points`), the heuristic
     default, then the key's results on other devices (the database's, then, with
     ``shipped``, the shipped layer's), and the ``n_nearest`` tuned keys nearest to it on
     this device (the database's and, with ``shipped``, the shipped layer's, nearest
@@ -295,11 +298,17 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
             table.update(storage.load_table(device, software))
         except Exception as e:
             warnings.warn(f"warm start: could not read seeds: {e}", stacklevel=2)
+    winners = []
     for r in seeds:
         if r.key == key and r.device.fingerprint == here and r.stale:
-            add(dict(r.config), "stale")
+            winners.append((dict(r.config), "stale"))
     if key in table and getattr(table[key], "origin", "") == "shipped":
-        add(dict(table[key].config), "shipped")
+        winners.append((dict(table[key].config), "shipped"))
+    for params, source in winners:
+        add(params, source)
+        # With the knobs that landed after it was tuned (priors.WINNER_MOVES).
+        for point in winner_points(direction, params, problem, device.capability):
+            add(point, f"{source}+")
     default = config_to_dict(default_config(direction, problem))
     add(default, "default")
     for r in seeds:

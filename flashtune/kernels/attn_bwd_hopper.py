@@ -108,6 +108,24 @@ def _bulk_writes_done():
 
 
 @gluon.jit
+def _first_turn_writes_done(turn):
+    """:func:`_bulk_writes_done` for the first dQ turn only (``turn == 0``), predicated
+    inside the PTX instead of branched on: a runtime branch in the dQ writer grows
+    consumer 0's spills (``hopper_dq_store_first=2``; BENCHMARKS.md, issue 13, session
+    51). For a one-warp partition."""
+    lane: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.eq.s32 p, $1, 0;\n\t@p cp.async.bulk.wait_group 0;"
+        "\n\t@p fence.proxy.async.global;\n\tmov.b32 $0, 0;\n\t}", "=r,r",
+        [gl.full([32], 0, gl.int32, lane) + turn], dtype=gl.int32, is_pure=False, pack=1)
+
+
+# How far past the accumulator, in blocks, the branch-free dQ writer sends the TMA op that
+# is not its turn's (hopper_dq_store_first=2): TMA writes nothing out of bounds.
+PAST: gl.constexpr = gl.constexpr(1 << 24)
+
+
+@gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
                   v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty,
                   heads_kv, seq_q, offset, left, right, n_m,
@@ -342,7 +360,15 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                     if STORE_FIRST:  # the first turn stores: the accumulator is not zeroed
                         src = dq_smem.index(cid * DQ_RING + slot)._reinterpret(
                             gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256], desc_dq.layout)
-                        if turn == 0:
+                        if STORE_FIRST == 2:  # both ops, no branch: the other one's box
+                            first = turn == 0  # lies PAST the accumulator
+                            tma.async_copy_shared_to_global(
+                                desc_dq, [b * heads_q + h, gl.where(first, block, block + PAST),
+                                          0, 0], src)
+                            _tma_reduce_add(
+                                desc_dq, [b * heads_q + h, gl.where(first, block + PAST, block),
+                                          0, 0], src)
+                        elif turn == 0:
                             tma.async_copy_shared_to_global(
                                 desc_dq, [b * heads_q + h, block, 0, 0], src)
                         else:
@@ -365,10 +391,12 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
             for c in gl.static_range(CHUNKS):
                 mbarrier.arrive(dq_empty.index(cid * DQ_RING + (cnt * CHUNKS + c) % DQ_RING),
                                 count=1)
-            if STORE_FIRST:
+            # The next turn's reduce-adds must find the first turn's stores done, not only
+            # their sources read: wait for the writes themselves.
+            if STORE_FIRST == 2:
+                _first_turn_writes_done(turn)
+            elif STORE_FIRST:
                 if turn == 0:
-                    # The next turn's reduce-adds must find the stores done, not only
-                    # their sources read: wait for the writes themselves.
                     _bulk_writes_done()
             gl.atomic_xchg(sem, turn + 1, sem="release")
             cnt += 1
@@ -1079,7 +1107,8 @@ class HopperBwdLaunch:
         # hopper_dq_store_first (fixed order, frag) only those of query tiles no key tile
         # visits: the first turn of every other tile stores its dQ (see _bwd_dq_writer).
         self.zero_blocks: list[tuple[int, int]] | None = None
-        store_first = bool(c.hopper_dq_store_first) and self.frag and deterministic
+        # (1: the writer branches on the turn; 2: it issues both TMA ops, see _bwd_dq_writer)
+        store_first = c.hopper_dq_store_first if self.frag and deterministic else 0
         if store_first:
             per_tile = d // dq_cols
             self.zero_blocks = [(a * per_tile, z * per_tile) for a, z in unvisited_query_tiles(

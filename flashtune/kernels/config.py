@@ -197,11 +197,14 @@ class BwdConfig:
                                "accumulator) in the order of the wgmma's registers, with "
                                "16-byte stores free of bank conflicts; 0 in rows (or column "
                                "groups)", variants=_BH)
-    hopper_dq_store_first: int = knob(0, (0, 1), "Hopper, fixed dQ order with "
-                                      "hopper_dq_frag=1: 1 stores each query tile's first dQ "
-                                      "turn instead of adding it, so the fp32 accumulator is "
-                                      "not zeroed per call; the next turn then waits for the "
-                                      "stores to complete", variants=_BH)
+    hopper_dq_store_first: int = knob(0, (0, 1, 2), "Hopper, fixed dQ order with "
+                                      "hopper_dq_frag=1: 1 or 2 store each query tile's first "
+                                      "dQ turn instead of adding it, so the fp32 accumulator "
+                                      "is not zeroed per call; the next turn then waits for "
+                                      "the stores to complete. 1 branches on the turn in the "
+                                      "dQ writer; 2 issues both TMA ops, the one not the "
+                                      "turn's out of bounds (no branch, which costs the "
+                                      "consumers registers)", variants=_BH)
 
     kind = "bwd"
 
@@ -622,10 +625,10 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
             "keep the fixed order")
     if c.hopper_dq_store_first and not (c.hopper_dq_frag and fixed):
         raise InfeasibleConfigError(
-            "bwd hopper: hopper_dq_store_first=1 stores the first of the fixed dQ order's "
-            "turns into the accumulator of hopper_dq_frag=1: it needs hopper_dq_frag=1 and "
-            "a call that runs the fixed order (deterministic, hopper_dq_fixed=1, or a free "
-            "order that does not fit); use 0")
+            f"bwd hopper: hopper_dq_store_first={c.hopper_dq_store_first} stores the first of "
+            "the fixed dQ order's turns into the accumulator of hopper_dq_frag=1: it needs "
+            "hopper_dq_frag=1 and a call that runs the fixed order (deterministic, "
+            "hopper_dq_fixed=1, or a free order that does not fit); use 0")
     if c.hopper_dq_groups and c.hopper_dq_frag:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_groups=1 and hopper_dq_frag=1 are two layouts of one dQ "

@@ -538,7 +538,9 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     232 registers a consumer, where the long searches went, and the 128-row point with dQ
     staged in register order; at head dim 128, where such tiles cannot run, only the
     deeper default (whose dQ is staged in register order, which supersedes the column
-    groups the fixed order's long-key points took before session 48)."""
+    groups the fixed order's long-key points took before session 48); last, at either head
+    dim, dQ in register order with its first turn stored (``hopper_dq_store_first``), in
+    the fixed order."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -549,9 +551,12 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         hopper = [pt for pt in points if pt["variant"] == config.BWD_HOPPER]
         base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
         deep = {"hopper_stages": 3, "hopper_regs": 232}
+        # Last, dQ in register order with its first turn stored, in the fixed order, the
+        # writer issuing both TMA ops at these lengths (more than 1k keys).
+        first = {"hopper_dq_store_first": 2, **({} if deterministic else {"hopper_dq_fixed": 1})}
         if head_dim > 64:
             assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
-            assert hopper == points[-1:] == [{**base, **deep}]
+            assert hopper == points[-2:] == [{**base, **deep}, {**base, **first}]
         else:
             assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
@@ -563,6 +568,7 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             if deterministic:
                 want.append({**rows, **groups, "hopper_kv_regs": 1})
             want.append({**rows, "hopper_dq_frag": 1})
+            want.append({**rows, "hopper_dq_frag": 1, **first})
             assert hopper == points[-len(want):] == want
         for pt in hopper:
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)
@@ -586,6 +592,54 @@ def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants()
     assert set(sources[n + 1:]) <= {"variant"}
     assert "prior" not in [s for _, s in _seed_configs(None, cpu, sw, PROBLEM, "bwd", BWD,
                                                          shipped=False)]
+
+
+def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first``) is
+    followed in the seeds by itself with the knob: =2 beyond 1k keys, =1 up to it, and in
+    the fixed order for a ``deterministic=False`` call. No such point for a winner the knob
+    cannot serve (dQ staged in rows, a portable kernel), the forward or another
+    architecture."""
+    from dataclasses import replace
+
+    from flashtune.autotune.priors import winner_points
+    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.db import open_storage
+    from flashtune.db.fingerprint import SoftwareInfo, device_info, software_info
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=2, heads_q=8, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+                causal=True, deterministic=True)
+    won = {**config_to_dict(config.default_bwd(p, config.BWD_HOPPER)), "hopper_stages": 3,
+           "hopper_regs": 232, "hopper_stagger": 0}
+    assert won["hopper_dq_frag"] == 1 and won["hopper_dq_store_first"] == 0
+    assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}]
+    short = replace(p, seqlen_q=1000, seqlen_k=1000)
+    assert winner_points("bwd", won, short, "9.0") == [{**won, "hopper_dq_store_first": 1}]
+    free = replace(p, deterministic=False)
+    assert winner_points("bwd", won, free, "9.0") == [
+        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}]
+    rows = {**won, "hopper_dq_frag": 0}
+    portable = config_to_dict(config.default_bwd(p, BWD_ONE_LAUNCH))
+    assert winner_points("bwd", rows, p, "9.0") == []
+    assert winner_points("bwd", portable, p, "9.0") == []
+    assert winner_points("bwd", won, p, "8.0") == winner_points("fwd", won, p, "9.0") == []
+    assert winner_points("bwd", {**won, "hopper_dq_store_first": 2}, p, "9.0") == []
+
+    # Through the seeds, from a database whose winner an older Triton tuned.
+    here = replace(device_info("cpu"), name="NVIDIA H200", capability="9.0", sm_count=132,
+                   memory_gb=140)
+    now = software_info()
+    before = SoftwareInfo(torch=now.torch, triton="3.8.0", cuda=now.cuda,
+                          kernels_hash=now.kernels_hash, ptxas=now.ptxas)
+    with open_storage(tmp_path / "tuning.db") as st:
+        st.put_result(here, before, p.key("bwd"), won, problem=p, tflops=1.0, median_ms=2.0,
+                      p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9, search_seconds=1.0)
+        seeds = _seed_configs(st, here, now, p, "bwd", BWD, shipped=False)
+    assert [s for _, s in seeds[:3]] == ["stale", "stale+", "default"]
+    assert seeds[0][0] == BWD.project(won)
+    assert seeds[1][0] == BWD.project({**won, "hopper_dq_store_first": 2})
 
 
 def test_polishing_takes_turns_with_the_other_kernel_familys_best(

@@ -245,8 +245,9 @@ def _tuner_launch(seed: int) -> list[str]:
 
 
 def _store_first(seed: int) -> list[str]:
-    """``hopper_dq_store_first``: the fixed order with dQ in register order stores each
-    query tile's first dQ turn instead of adding it to a zeroed accumulator, and zeroes
+    """``hopper_dq_store_first`` (both forms): the fixed order with dQ in register order
+    stores each query tile's first dQ turn instead of adding it to a zeroed accumulator,
+    and zeroes
     only the tiles no key tile visits (a causal diagonal or a window with Sq > Sk leaves
     whole tiles without keys). With the accumulator filled with NaN before the launch, the
     gradients must still be those of dQ staged in rows (zeroed by the preprocess, every
@@ -285,21 +286,23 @@ def _store_first(seed: int) -> list[str]:
         empty = unvisited_query_tiles(p.seqlen_q, p.seqlen_k, tiles[0], tiles[1], *mask)
         if (p.seqlen_q > p.seqlen_k) != bool(empty):
             failures.append(f"{p}: unvisited query tiles {empty}")
-        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=scale, mask=mask,
-                                 scales=score_scales(scale, 0.0), softcap=0.0,
-                                 config=dataclasses.replace(base, hopper_dq_frag=1,
-                                                            hopper_dq_store_first=1),
-                                 deterministic=True)
-        bufs = launch.buffers(q, k, v, lse)
-        for run in range(2):
-            bufs[5].fill_(float("nan"))
-            launch.run(do, q, k, v, o, bufs)
-            torch.cuda.synchronize()
-            for name, a, b in zip("dq dk dv".split(), bufs[:3], rows, strict=True):
-                if not torch.equal(a, b):
-                    err = (a.float() - b.float()).abs().max().item()
-                    failures.append(f"{p} {tiles} run {run}: {name} differs from dQ staged in "
-                                    f"rows (max abs difference {err:.3g})")
+        for form in (1, 2):  # the writer branching on the turn, or issuing both ops
+            launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=scale, mask=mask,
+                                     scales=score_scales(scale, 0.0), softcap=0.0,
+                                     config=dataclasses.replace(base, hopper_dq_frag=1,
+                                                                hopper_dq_store_first=form),
+                                     deterministic=True)
+            bufs = launch.buffers(q, k, v, lse)
+            for run in range(2):
+                bufs[5].fill_(float("nan"))
+                launch.run(do, q, k, v, o, bufs)
+                torch.cuda.synchronize()
+                for name, a, b in zip("dq dk dv".split(), bufs[:3], rows, strict=True):
+                    if not torch.equal(a, b):
+                        err = (a.float() - b.float()).abs().max().item()
+                        failures.append(f"{p} {tiles} store_first={form} run {run}: {name} "
+                                        f"differs from dQ staged in rows (max abs "
+                                        f"difference {err:.3g})")
     return failures
 
 

@@ -573,29 +573,34 @@ def test_dq_store_first_is_a_fixed_order_frag_knob(on_hopper: None) -> None:
     old = config_to_dict(HOP)
     del old["hopper_dq_store_first"]
     assert config_from_dict("bwd", old).hopper_dq_store_first == 0
-    first = dataclasses.replace(HOP, hopper_dq_frag=1, hopper_dq_store_first=1)
-    assert config_from_dict("bwd", config_to_dict(first)) == first
     det = dataclasses.replace(P, deterministic=True)
     free = dataclasses.replace(P, deterministic=False)
-    check_bwd(first, det)
-    check_bwd(dataclasses.replace(first, hopper_dq_fixed=1), free)
-    for c, p in ((dataclasses.replace(first, hopper_dq_frag=0), det), (first, free)):
-        with pytest.raises(InfeasibleConfigError, match="hopper_dq_store_first=1 .* needs "
-                                                        "hopper_dq_frag=1 and a call that "
-                                                        "runs the fixed order"):
-            check_bwd(c, p)
+    for form in (1, 2):
+        first = dataclasses.replace(HOP, hopper_dq_frag=1, hopper_dq_store_first=form)
+        assert config_from_dict("bwd", config_to_dict(first)) == first
+        check_bwd(first, det)
+        check_bwd(dataclasses.replace(first, hopper_dq_fixed=1), free)
+        for c, p in ((dataclasses.replace(first, hopper_dq_frag=0), det), (first, free)):
+            with pytest.raises(InfeasibleConfigError,
+                               match=f"hopper_dq_store_first={form} .* needs hopper_dq_frag=1 "
+                                     f"and a call that runs the fixed order"):
+                check_bwd(c, p)
+    with pytest.raises(ValueError, match="hopper_dq_store_first"):
+        config_from_dict("bwd", {**config_to_dict(first), "hopper_dq_store_first": 3})
+    first = dataclasses.replace(HOP, hopper_dq_frag=1, hopper_dq_store_first=1)
     b, h, sq, sk, d = 1, 2, 1000, 300, 128
     q, do, o = (torch.randn(b, h, sq, d, dtype=torch.bfloat16) for _ in range(3))
     k, v = (torch.randn(b, h, sk, d, dtype=torch.bfloat16) for _ in range(2))
     plans = {}
     for name, cfg in (("first", first), ("frag", dataclasses.replace(first,
-                                                                     hopper_dq_store_first=0))):
+                                                                     hopper_dq_store_first=0)),
+                      ("first2", dataclasses.replace(first, hopper_dq_store_first=2))):
         plans[name] = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(0, 0, False, True),
                                       scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
                                       deterministic=True).zero_blocks
     # Causal, Sq - Sk = 700: rows 0-699 see no key; 64-row tiles 0-9 hold only such rows,
     # each tile two blocks of 64 columns.
-    assert plans == {"first": [(0, 20)], "frag": None}
+    assert plans == {"first": [(0, 20)], "frag": None, "first2": [(0, 20)]}
 
 
 @pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (64, 64)])
