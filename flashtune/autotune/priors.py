@@ -158,7 +158,7 @@ def _hopper_store_first(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     the consumers registers (spills) on every tile; issuing both TMA ops, one of them out
     of bounds (=2), does not. With the shipped configs (H200, session 52) =1 ran
     32x16x512x128 and 16x16x1024x128 1.09x and 1.07x as fast as without the knob, =2 1.06x
-    and 1.03x; from 2k keys =1 ran 0.78-0.98x, =2 1.00-1.04x. A ``deterministic=False``
+    and 1.03x; from 2k keys =1 ran 0.78-0.97x, =2 1.00-1.04x. A ``deterministic=False``
     call takes it with the fixed order (``hopper_dq_fixed``)."""
     form = 1 if p.seqlen_k <= STORE_FIRST_BRANCH_MAX_KEYS else 2
     return {"hopper_dq_store_first": form, **({} if p.deterministic else {"hopper_dq_fixed": 1})}
