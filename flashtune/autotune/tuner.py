@@ -227,13 +227,25 @@ class TuneSession:
         self.close()
 
 
-# A search seeded with a stale winner (after an upgrade: ``sweep --from-stale``) measures
-# at least this many candidates whatever its time budget: the stale winner and the next
-# seeds (the default, then the nearest keys' winners or the architecture's priors). Its
+# A search seeded with a stale winner (after an upgrade: ``sweep --from-stale``), or with
+# a winner and the knobs that landed since it was tuned ("stale+", "shipped+"), measures
+# at least this many candidates whatever its time budget: the winner and the next seeds
+# (that winner with the new knobs, the default, then the nearest keys' winners or the
+# architecture's priors). A re-search of 4x32/8x4096x128 causal (H200, session 52, 10 s,
+# a cold Triton cache) measured the shipped winner alone and never its knob point. Its
 # first trial alone can outlast a short budget at long sequences (1x32x16384x64's
 # backward took 7.8 s of a 6 s budget in session 29's re-ship, BENCHMARKS.md), and a
 # search of one trial only re-times the stale winner on the new software.
 STALE_MIN_TRIALS = 3
+
+
+def seeded_min_trials(seeds: list[tuple[dict[str, Any], str]]) -> int:
+    """The candidates a search with these warm-start seeds (``(point, source)``) measures
+    at least, whatever its time budget: :data:`STALE_MIN_TRIALS` when a stale winner or a
+    winner with new knobs is among them, else 1."""
+    if any(source == "stale" or source.endswith("+") for _, source in seeds):
+        return STALE_MIN_TRIALS
+    return 1
 
 
 def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, direction: str,
@@ -411,8 +423,7 @@ def _tune_one(problem: Problem, direction: str, target: _Target, settings: Setti
         for params, source in seeds:
             picks.enqueue_trial(params, user_attrs={"seed_source": source},
                                 skip_if_exists=True)
-        if any(source == "stale" for _, source in seeds):
-            s = replace(s, min_trials=max(s.min_trials, STALE_MIN_TRIALS))
+        s = replace(s, min_trials=max(s.min_trials, seeded_min_trials(seeds)))
     if s.sampler == "grid":
         variants = s.space.variants(problem)
         for params in s.space.grid():

@@ -604,7 +604,7 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     from dataclasses import replace
 
     from flashtune.autotune.priors import winner_points
-    from flashtune.autotune.tuner import _seed_configs
+    from flashtune.autotune.tuner import STALE_MIN_TRIALS, _seed_configs, seeded_min_trials
     from flashtune.db import open_storage
     from flashtune.db.fingerprint import SoftwareInfo, device_info, software_info
 
@@ -640,6 +640,10 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     assert [s for _, s in seeds[:3]] == ["stale", "stale+", "default"]
     assert seeds[0][0] == BWD.project(won)
     assert seeds[1][0] == BWD.project({**won, "hopper_dq_store_first": 2})
+    # Such a search measures the winner's knob point too, however short its budget.
+    assert seeded_min_trials(seeds) == STALE_MIN_TRIALS > 2
+    assert seeded_min_trials([(won, "shipped"), (won, "shipped+")]) == STALE_MIN_TRIALS
+    assert seeded_min_trials([(won, "shipped"), (won, "default"), (won, "prior")]) == 1
 
 
 def test_polishing_takes_turns_with_the_other_kernel_familys_best(
