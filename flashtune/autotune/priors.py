@@ -190,7 +190,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 
 
 # Compute-capability major -> moves tried on a key's stale or shipped winner (see
-# winner_points): a knob that landed after the winner was tuned.
+# winner_points): the architecture's newest knobs, which winners tuned before they landed
+# never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {9: (_hopper_store_first,)}
 
 
@@ -234,10 +235,11 @@ def prior_points(direction: str, problem: Problem, capability: str) -> list[dict
 def winner_points(direction: str, winner: dict[str, Any], problem: Problem,
                   capability: str) -> list[dict[str, Any]]:
     """``winner`` (a key's stale or shipped winner, a full config dict) with each of the
-    architecture's winner moves applied, feasible ones that differ from it only, in order.
-    A knob that landed after the winner was tuned sits one move from it, but a short
-    search seeded with the winner polishes it only if it has time for that field, and a
-    prior point carries the knob with the default's tiles, not the winner's."""
+    architecture's winner moves (:data:`WINNER_MOVES`) applied, feasible ones that differ
+    from it only, in order. A knob that landed after the winner was tuned sits one move
+    from it, but a short search seeded with the winner polishes it only if it has time
+    for that field, and a prior point carries the knob with the default's tiles, not the
+    winner's."""
     major = _major(capability)
     if direction != "bwd" or major is None:
         return []

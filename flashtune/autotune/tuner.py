@@ -126,7 +126,7 @@ class TuneResult:
     ``pruned`` did not compile or fit; ``infeasible`` were rejected by the feasibility
     rule before compiling. ``winner_source`` says where the winner came from: "sampler",
     a warm-start seed ("default", "stale", "shipped", "stale+" or "shipped+" (that winner
-    with a knob added since), "nearest", "device:NAME", "prior",
+    with the newest knobs), "nearest", "device:NAME", "prior",
     "variant"), "compose", "polish" or "grid". ``compile_seconds`` is the compile time on
     the critical path: waiting for the compile pool plus the first launch in the timing
     worker (a compile, or a load from Triton's cache); ``pool_compile_seconds`` is the
@@ -228,7 +228,7 @@ class TuneSession:
 
 
 # A search seeded with a stale winner (after an upgrade: ``sweep --from-stale``), or with
-# a winner and the knobs that landed since it was tuned ("stale+", "shipped+"), measures
+# a winner and the newest knobs ("stale+", "shipped+"; priors.WINNER_MOVES), measures
 # at least this many candidates whatever its time budget: the winner and the next seeds
 # (that winner with the new knobs, the default, then the nearest keys' winners or the
 # architecture's priors). A re-search of 4x32/8x4096x128 causal (H200, session 52, 10 s,
@@ -254,8 +254,8 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
     """Warm-start points, in order: the key's stale winners on this device (the
     database's, then the shipped layer's; what an upgrade made stale is the best prior
     there is), the shipped layer's winner for the key on this device, each followed by
-    itself with the knobs that landed since (:func:`~flashtune.autotune.priors.
-    winner_points`), the heuristic
+    itself with the architecture's newest knobs, which a winner tuned before they landed
+    never tried (:func:`~flashtune.autotune.priors.winner_points`), the heuristic
     default, then the key's results on other devices (the database's, then, with
     ``shipped``, the shipped layer's), and the ``n_nearest`` tuned keys nearest to it on
     this device (the database's and, with ``shipped``, the shipped layer's, nearest
@@ -318,7 +318,7 @@ def _seed_configs(storage: Any, device: Any, software: Any, problem: Problem, di
         winners.append((dict(table[key].config), "shipped"))
     for params, source in winners:
         add(params, source)
-        # With the knobs that landed after it was tuned (priors.WINNER_MOVES).
+        # With the architecture's newest knobs (priors.WINNER_MOVES).
         for point in winner_points(direction, params, problem, device.capability):
             add(point, f"{source}+")
     default = config_to_dict(default_config(direction, problem))
