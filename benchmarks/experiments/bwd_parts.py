@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -66,24 +64,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import hopper_bwd_ab as hab
     import torch
-    from bwd_shipped_variants import SHAPES, parse_range
+    from bwd_shipped_variants import dump, header, interleaved_ms, shape_rows
     from hopper_fwd_consumers import shipped_config
 
     from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
     from flashtune.kernels.attn_fwd import mask_params, score_scales
     from flashtune.kernels.config import BWD_HOPPER
     from flashtune.problem import effective_window
-    from flashtune.timing import time_interleaved
 
-    dev = torch.cuda.get_device_name()
-    out: dict = dict(device=dev, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                     rows=[])
+    out = header()
+    dev = out["device"]
     try:
-        for i in parse_range(args.shapes):
-            shape = SHAPES[i]
-            fns, (do, q, k, v, o, lse), p, scale = hab.shape_inputs(shape)
+        for shape, fns, (do, q, k, v, o, lse), p, scale in shape_rows(args.shapes):
             mask = mask_params(shape[4], effective_window((-1, -1), shape[2], shape[2]))
             labels = ["cudnn"]
             configs = {}
@@ -102,18 +95,14 @@ def main() -> None:
             for label in labels:  # build and run each once before the timed loop
                 fns[label]()
             torch.cuda.synchronize()
-            ms = {n: t.median_ms for n, t in zip(
-                labels, time_interleaved([fns[n] for n in labels], rounds=args.rounds),
-                strict=True)}
+            ms = interleaved_ms(fns, labels, args.rounds)
             out["rows"].append(dict(shape=list(shape), configs=configs, ms=ms))
             b, h, s, d, causal = shape
             print(f"{b}x{h}x{s}x{d}{' causal' if causal else ''}: "
                   + "  ".join(f"{n} {t * 1000:.1f}us" for n, t in ms.items()), flush=True)
-            with open(args.out, "w") as f:  # after every row: a timeout keeps the rows done
-                json.dump(out, f, indent=1)
+            dump(args.out, out)
     finally:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        dump(args.out, out)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,37 @@ def parse_range(spec: str) -> list[int]:
     return out
 
 
+def interleaved_ms(fns: dict, names: list[str], rounds: int) -> dict[str, float]:
+    """The median ms of each of ``fns[name]`` for ``names``, in one interleaved loop."""
+    from flashtune.timing import time_interleaved
+
+    return {n: t.median_ms for n, t in zip(
+        names, time_interleaved([fns[n] for n in names], rounds=rounds), strict=True)}
+
+
+def header() -> dict:
+    """The output's head: this GPU, torch, the date; ``rows`` to fill."""
+    import torch
+
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), rows=[])
+
+
+def shape_rows(spec: str):
+    """For each index of ``spec`` into SHAPES: (shape, the callables to time with cuDNN's
+    first, the backward's inputs, the problem, the softmax scale) (``hopper_bwd_ab``)."""
+    import hopper_bwd_ab as hab
+
+    for i in parse_range(spec):
+        yield (SHAPES[i], *hab.shape_inputs(SHAPES[i]))
+
+
+def dump(path: str, out: dict) -> None:
+    """Write ``out`` (after every row, so that a timeout keeps the rows done)."""
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -61,8 +92,6 @@ def main() -> None:
     import torch
     from hopper_fwd_consumers import shipped_config
 
-    from flashtune.timing import time_interleaved
-
     mods = {}
     for spec in args.variant:
         name, _, path = spec.partition("=")
@@ -72,13 +101,10 @@ def main() -> None:
     for spec in args.knobs:
         name, _, text = spec.partition("=")
         knobs[name] = json.loads(text)
-    dev = torch.cuda.get_device_name()
-    out: dict = dict(device=dev, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                     rows=[])
+    out = header()
+    dev = out["device"]
     try:
-        for i in parse_range(args.shapes):
-            shape = SHAPES[i]
-            fns, (do, q, k, v, o, lse), p, scale = hab.shape_inputs(shape)
+        for shape, fns, (do, q, k, v, o, lse), p, scale in shape_rows(args.shapes):
             causal = shape[4]
             cfgs = {"det": shipped_config(p, dev, "bwd"),
                     "free": shipped_config(dataclasses.replace(p, deterministic=False), dev,
@@ -108,19 +134,14 @@ def main() -> None:
                 if ref is not None and not label.startswith("head:"):
                     diff[label] = max(float((a.float() - b.float()).abs().max())
                                       for a, b in zip(g, ref, strict=True))
-            names = list(fns)
-            ms = {n: t.median_ms for n, t in zip(
-                names, time_interleaved([fns[n] for n in names], rounds=args.rounds),
-                strict=True)}
+            ms = interleaved_ms(fns, list(fns), args.rounds)
             out["rows"].append(dict(shape=list(shape), configs={k: repr(c) for k, c in
                                                                 cfgs.items()},
                                     ms=ms, max_abs_diff_vs_head=diff, errors=errors))
             print(hab.row_line(shape, ms) + f" | diff {diff}", flush=True)
-            with open(args.out, "w") as f:  # after every row: a timeout keeps the rows done
-                json.dump(out, f, indent=1)
+            dump(args.out, out)
     finally:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        dump(args.out, out)
 
 
 if __name__ == "__main__":
