@@ -202,9 +202,9 @@ class BwdConfig:
                                       "dQ turn instead of adding it, so the fp32 accumulator "
                                       "is not zeroed per call; the next turn then waits for "
                                       "the stores to complete. 1 branches on the turn in the "
-                                      "dQ writer; 2 issues both TMA ops, the one not the "
-                                      "turn's out of bounds (no branch, which costs the "
-                                      "consumers registers)", variants=_BH)
+                                      "dQ writer, which costs the consumers registers; 2 "
+                                      "issues both TMA ops, the one not the turn's out of "
+                                      "bounds, with no branch", variants=_BH)
 
     kind = "bwd"
 
