@@ -14,7 +14,8 @@ exceeds the whole by the launch gaps the whole hides and the L2 the flush emptie
     timeout 300 python3 benchmarks/experiments/bwd_parts.py --shapes 0,1,7,8 --out parts.json
 
 (``--shapes`` indexes ``bwd_shipped_variants.SHAPES``: 0-5 D=128 unmasked 512..16k, 6-11
-causal, 12-17 D=64 unmasked, 18-23 causal.) Written in session 52; not yet run on a GPU.
+causal, 12-17 D=64 unmasked, 18-23 causal.) Written in session 52; first run in session 53
+(``benchmarks/data/bwd_parts_h200_s53.json``, BENCHMARKS.md issue 13).
 """
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ def main() -> None:
                     help="CASES with hopper_dq_groups=1 (the fixed order's column groups)")
     ap.add_argument("--frag", action="store_true",
                     help="CASES with hopper_dq_frag=1 (dQ staged in register order)")
+    ap.add_argument("--store-first", type=int, default=0,
+                    help="hopper_dq_store_first for CASES (with --frag)")
+    ap.add_argument("--cases", default=None, help="indices into CASES, comma-separated")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -116,7 +119,8 @@ def main() -> None:
     if args.shipped:
         shipped_report()
         return
-    for b, hq, hk, s, d, causal, m, st, stagger in CASES:
+    picked = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    for b, hq, hk, s, d, causal, m, st, stagger in picked:
         for det in (True, False) if args.free else (True,):
             q, do, o = (torch.empty(b, hq, s, d, dtype=torch.bfloat16) for _ in range(3))
             k, v = (torch.empty(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
@@ -124,7 +128,8 @@ def main() -> None:
             cfg = BwdConfig(variant=BWD_HOPPER, hopper_block_m=m, hopper_block_n=128,
                             hopper_stages=st, hopper_regs=240, hopper_stagger=stagger,
                             hopper_dq_groups=int(args.groups and det),
-                            hopper_dq_frag=int(args.frag))
+                            hopper_dq_frag=int(args.frag),
+                            hopper_dq_store_first=args.store_first if det else 0)
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
@@ -138,7 +143,8 @@ def main() -> None:
                     f.write(ptx)
             print(f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} m{m} s{st} o{stagger} "
                   f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}"
-                  f"{' frag' if args.frag else ''}: "
+                  f"{' frag' if args.frag else ''}"
+                  f"{f' store_first={args.store_first}' if args.store_first and det else ''}: "
                   f"{ptxas_report(ptx)}", flush=True)
 
 
