@@ -14,6 +14,8 @@ holds one CTA per SM: all its shared memory and registers) is what this measures
 
 - ``streams{S}``: S parts, each ``HopperBwdLaunch.run`` (zeroing, preprocess, main, cast)
   on a stream of its own;
+- ``prio{S}``: as ``streams{S}``, each part's preprocess and cast on a high-priority stream
+  of its own, its main kernel on a normal one;
 - ``pipe{S}``: every part's zeroing and preprocess on one high-priority stream, the main
   kernels in order on a second, the casts on a third (high priority), chained by events.
 
@@ -25,7 +27,10 @@ the rounding of a reordered sum (``deterministic=False``: max abs difference rep
     timeout 300 python3 benchmarks/experiments/bwd_split_streams.py --shapes 0,1,7,8 \\
         --out split.json
 
-Written in session 53 (no GPU left to run it); not yet run on a GPU.
+Written in session 53; run in session 54 (H200, ``bwd_split_streams_h200_s54{a,b}.json``,
+BENCHMARKS.md issue 13): ``streams2`` ran 1.01-1.03x the whole call at the D=128 rows of
+512 to 4k keys, ``prio`` and ``pipe`` slower than the whole call. Landed as
+``BwdConfig.hopper_split`` (``SplitHopperBwdLaunch``).
 """
 
 from __future__ import annotations
@@ -114,10 +119,38 @@ def piped(parts: list[Part], pre_s: Any, main_s: Any, fin_s: Any) -> Any:
     return call
 
 
+def prioritized(parts: list[Part], his: list[Any], los: list[Any]) -> Any:
+    """The call: each part on streams of its own, its preprocess and cast on a
+    high-priority one, its main kernel on a normal one, the main kernels concurrent."""
+    import torch
+
+    steps = [p.steps() for p in parts]
+
+    def call() -> None:
+        cur = torch.cuda.current_stream()
+        go = cur.record_event()
+        done = []
+        for st, hi, lo in zip(steps, his, los, strict=False):
+            hi.wait_event(go)
+            with torch.cuda.stream(hi):
+                st["pre"]()
+            lo.wait_event(hi.record_event())
+            with torch.cuda.stream(lo):
+                st["main"]()
+            hi.wait_event(lo.record_event())
+            with torch.cuda.stream(hi):
+                st["finish"]()
+            done.append(hi.record_event())
+        for ev in done:
+            cur.wait_event(ev)
+    return call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="0,1,7,8", help="indices into bwd_shipped_variants.SHAPES")
     ap.add_argument("--splits", default="2,4", help="numbers of batch parts")
+    ap.add_argument("--modes", default="streams,prio,pipe", help="which ways to split")
     ap.add_argument("--free", action="store_true", help="also the deterministic=False configs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -140,6 +173,7 @@ def main() -> None:
     high = torch.cuda.Stream(priority=-1)
     mains = torch.cuda.Stream()
     high2 = torch.cuda.Stream(priority=-1)
+    his = [torch.cuda.Stream(priority=-1) for _ in range(max(splits))]
     try:
         for shape, fns, (do, q, k, v, o, lse), p, scale in shape_rows(args.shapes):
             mask = mask_params(shape[4], effective_window((-1, -1), shape[2], shape[2]))
@@ -164,7 +198,10 @@ def main() -> None:
                 for n in splits:
                     parts = [Part(sl, (do, q, k, v, o), lse, kw) for sl in split(shape[0], n)]
                     for name, call in ((f"streams{n}", on_streams(parts, streams)),
-                                       (f"pipe{n}", piped(parts, high, mains, high2))):
+                                       (f"pipe{n}", piped(parts, high, mains, high2)),
+                                       (f"prio{n}", prioritized(parts, his, streams))):
+                        if name.rstrip("0123456789") not in args.modes.split(","):
+                            continue
                         label = f"{kind}:{name}"
                         call()
                         torch.cuda.synchronize()

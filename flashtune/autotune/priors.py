@@ -164,6 +164,16 @@ def _hopper_store_first(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_dq_store_first": form, **({} if p.deterministic else {"hopper_dq_fixed": 1})}
 
 
+def _hopper_split(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The call in two concurrent halves (``hopper_split``), so that one half's
+    preprocess and dQ cast (about 97 us together at every standard D=128 row, H200,
+    session 53) overlap the other's main kernel. With the shipped configs (H200, session
+    54, ``bwd_split_streams.py``) two halves on two streams ran the D=128 rows of 512 to
+    4k keys 1.01-1.03x as fast as the whole call (causal 1k 1.03x), both orders; a
+    problem of one sequence and one KV head has nothing to split."""
+    return {"hopper_split": 2} if p.batch * p.heads_kv >= 2 else {}
+
+
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """K and V back in registers (the default at head dim 64) beside 128-row tiles, in the
     fixed dQ order only (in the free order that pair ran 0.76-0.95x; see _hopper_rows)."""
@@ -185,6 +195,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split)),
     ],
 }
 
@@ -192,7 +203,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 # Compute-capability major -> moves tried on a key's stale or shipped winner (see
 # winner_points): the architecture's newest knobs, which winners tuned before they landed
 # never tried. A knob that lands later adds its move here.
-WINNER_MOVES: dict[int, tuple[Move, ...]] = {9: (_hopper_store_first,)}
+WINNER_MOVES: dict[int, tuple[Move, ...]] = {9: (_hopper_store_first, _hopper_split)}
 
 
 def _major(capability: str) -> int | None:

@@ -595,7 +595,7 @@ class BwdLaunch:
             from flashtune.kernels.attn_fwd_hopper import tma_describable
 
             if not tma_describable(q, k, v, do):  # else bwd_steps serves the portable default
-                self.hopper = hopper.HopperBwdLaunch(
+                self.hopper = hopper.prepare_hopper_bwd(
                     do, q, k, v, o, sm_scale=sm_scale, mask=mask_params(causal, window),
                     scales=score_scales(sm_scale, softcap), softcap=softcap, config=config,
                     deterministic=deterministic)

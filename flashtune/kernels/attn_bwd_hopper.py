@@ -1069,7 +1069,8 @@ class HopperBwdLaunch:
     def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, *, sm_scale: float, mask: tuple[int, int, bool, bool],
                  scales: tuple[float, float, float], softcap: float, config: BwdConfig,
-                 deterministic: bool) -> None:
+                 deterministic: bool,
+                 grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         c = config
         b, hq, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
@@ -1140,8 +1141,9 @@ class HopperBwdLaunch:
             [None] * 4 + [*o.stride(), *do.stride(), hq, sq],
             dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c.pre_block_m, ZERO_DQ=not self.frag), 4)
         # dQ, dK and dV are allocated per call like q, k and v: empty_like's strides (a
-        # dense input's own, else contiguous ones).
-        dq0, dk0, dv0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # dense input's own, else contiguous ones), or those of ``grads`` (one half's views
+        # of the whole call's gradients: SplitHopperBwdLaunch).
+        dq0, dk0, dv0 = grads or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk_strides, dv_strides = [*dk0.stride()[:3]], [*dv0.stride()[:3]]
         self.main = BoundLaunch(
             _attn_bwd_hopper_kernel, (n_n, b * hk),
@@ -1173,11 +1175,16 @@ class HopperBwdLaunch:
         lse = lse.contiguous()
         if self.stage_lse and lse.data_ptr() % 16:
             lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
-        dq_acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
-        sem = (torch.empty(self.sem_shape, device=q.device, dtype=torch.int32)
-               if self.deterministic else dq_acc)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
-                torch.empty_like(lse), dq_acc, sem)
+                torch.empty_like(lse), *self.scratch(q.device))
+
+    def scratch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the fp32 dQ accumulator, the semaphores: the accumulator again in the free
+        order, which has none), new."""
+        dq_acc = torch.empty(self.acc_shape, device=device, dtype=torch.float32)
+        sem = (torch.empty(self.sem_shape, device=device, dtype=torch.int32)
+               if self.deterministic else dq_acc)
+        return dq_acc, sem
 
     def run(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
@@ -1210,6 +1217,128 @@ class HopperBwdLaunch:
         return bufs[0], bufs[1], bufs[2]
 
 
+def split_plan(b: int, hq: int, hk: int, parts: int) -> list[tuple[slice, slice, slice]]:
+    """(batch, query-head, KV-head) slices of the independent parts a call of ``b`` x
+    ``hq`` query heads (``hk`` KV heads) runs as with ``hopper_split=parts``: halves of the
+    batch where it has two sequences or more, else halves of the KV heads (each with its
+    group's query heads), else the whole call. The first part is the smaller one."""
+    whole = slice(0, None)
+    if parts < 2 or b * hk < 2:
+        return [(whole, whole, whole)]
+    if b >= 2:
+        return [(slice(i * b // 2, (i + 1) * b // 2), whole, whole) for i in range(2)]
+    g = hq // hk
+    return [(whole, slice(g * (i * hk // 2), g * ((i + 1) * hk // 2)),
+             slice(i * hk // 2, (i + 1) * hk // 2)) for i in range(2)]
+
+
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """This device's side stream for the second part of a split backward (one per
+    device, made once: creating streams per call costs host time)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+class SplitHopperBwdLaunch:
+    """:class:`HopperBwdLaunch` for ``hopper_split=2``: the call as two independent parts
+    (:func:`split_plan`), each a HopperBwdLaunch of its own over views of the call's
+    tensors, the first on the current stream, the second on a side stream that forks from
+    it and joins back into it, so that one part's bandwidth-bound launches (accumulator
+    zeroing, delta preprocess, dQ cast) overlap the other's main kernel.
+
+    Each part sums every dQ tile in the same order as the whole call (a part is a set of
+    whole heads), so the gradients are bit-identical. The main kernels run concurrently:
+    where the fixed order is cyclic (ORDER 2), a head's key tiles wait for each other, and
+    with two kernels in flight at most two heads are partly resident, which the cyclic
+    order's bound (key tiles per head <= half the SMs) still leaves room for. The buffers
+    are allocated on the current stream and the side stream's work joins back into it
+    before they can be freed or read."""
+
+    def __init__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, **kw: Any) -> None:
+        b, hq = q.shape[:2]
+        self.plan = split_plan(b, hq, k.shape[1], kw["config"].hopper_split)
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # layouts
+        self.parts = [HopperBwdLaunch(*self._views(sl, do, q, k, v, o), **kw,
+                                      grads=self._grads(sl, *grads))
+                      for sl in self.plan]
+        self.deterministic = self.parts[0].deterministic
+        self.stage_lse = any(p.stage_lse for p in self.parts)
+        self.side = _side_stream(q.device) if q.is_cuda else None
+
+    @staticmethod
+    def _views(sl: tuple[slice, slice, slice], do: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        bs, hs_q, hs_k = sl
+        return do[bs, hs_q], q[bs, hs_q], k[bs, hs_k], v[bs, hs_k], o[bs, hs_q]
+
+    @staticmethod
+    def _grads(sl: tuple[slice, slice, slice], dq: torch.Tensor, dk: torch.Tensor,
+               dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs, hs_q, hs_k = sl
+        return dq[bs, hs_q], dk[bs, hs_k], dv[bs, hs_k]
+
+    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                ) -> tuple[torch.Tensor, ...]:
+        """(dq, dk, dv, lse, delta) of the whole call (as HopperBwdLaunch's), then each
+        part's (fp32 dQ accumulator, semaphores)."""
+        lse = lse.contiguous()
+        if self.stage_lse and lse.data_ptr() % 16:
+            lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
+        out = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
+               torch.empty_like(lse)]
+        for part in self.parts:
+            out += part.scratch(q.device)
+        return tuple(out)
+
+    def run(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            o: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Launch both parts into ``bufs`` (from :meth:`buffers`)."""
+        dq, dk, dv, lse, delta = bufs[:5]
+        cur = None
+        if self.side is not None:
+            # The fork, before the first part's launches: waiting on the current stream
+            # after them would run the parts one after the other.
+            cur = torch.cuda.current_stream(q.device)
+            self.side.wait_stream(cur)
+        for i, (part, sl) in enumerate(zip(self.parts, self.plan, strict=True)):
+            bs, hs_q, _ = sl
+            do_, q_, k_, v_, o_ = self._views(sl, do, q, k, v, o)
+            part_bufs = (*self._grads(sl, dq, dk, dv), lse[bs, hs_q], delta[bs, hs_q],
+                         *bufs[5 + 2 * i:7 + 2 * i])
+            if i == 0 or self.side is None:
+                part.run(do_, q_, k_, v_, o_, part_bufs)
+                continue
+            with torch.cuda.stream(self.side):
+                part.run(do_, q_, k_, v_, o_, part_bufs)
+        if cur is not None:
+            cur.wait_stream(self.side)
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK and dV."""
+        bufs = self.buffers(q, k, v, lse)
+        self.run(do, q, k, v, o, bufs)
+        return bufs[0], bufs[1], bufs[2]
+
+
+def prepare_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, **kw: Any) -> HopperBwdLaunch | SplitHopperBwdLaunch:
+    """The prepared Gluon backward for one call signature: split in two
+    (:class:`SplitHopperBwdLaunch`) where the config asks for it and the call has two
+    sequences or two KV heads, else whole."""
+    b, hq = q.shape[:2]
+    if len(split_plan(b, hq, k.shape[1], kw["config"].hopper_split)) > 1:
+        return SplitHopperBwdLaunch(do, q, k, v, o, **kw)
+    return HopperBwdLaunch(do, q, k, v, o, **kw)
+
+
 def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
                       mask: tuple[int, int, bool, bool], scales: tuple[float, float, float],
@@ -1218,7 +1347,7 @@ def hopper_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                  Callable[[], None]]:
     """The (dq, dk, dv) buffers and one callable that fills them (a :class:`HopperBwdLaunch`
     with its buffers made once: what the tuner times)."""
-    launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=sm_scale, mask=mask, scales=scales,
-                             softcap=softcap, config=config, deterministic=deterministic)
+    launch = prepare_hopper_bwd(do, q, k, v, o, sm_scale=sm_scale, mask=mask, scales=scales,
+                                softcap=softcap, config=config, deterministic=deterministic)
     bufs = launch.buffers(q, k, v, lse)
     return (bufs[0], bufs[1], bufs[2]), lambda: launch.run(do, q, k, v, o, bufs)

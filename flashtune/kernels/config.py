@@ -205,6 +205,12 @@ class BwdConfig:
                                       "dQ writer, which costs the consumers registers; 2 "
                                       "issues both TMA ops, the one not the turn's out of "
                                       "bounds, with no branch", variants=_BH)
+    hopper_split: int = knob(1, (1, 2), "Hopper: 2 runs the call as two independent halves "
+                             "(of the batch, else of the KV heads) concurrently, the second "
+                             "on a side stream, so one half's bandwidth-bound preprocess and "
+                             "dQ cast overlap the other's main kernel; the gradients are "
+                             "bit-identical to 1's (one launch of each kernel)",
+                             variants=_BH)
 
     kind = "bwd"
 

@@ -540,7 +540,7 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     deeper default (whose dQ is staged in register order, which supersedes the column
     groups the fixed order's long-key points took before session 48); last, at either head
     dim, dQ in register order with its first turn stored (``hopper_dq_store_first``), in
-    the fixed order."""
+    the fixed order, then that point with the call in two halves (``hopper_split``)."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -556,7 +556,8 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         first = {"hopper_dq_store_first": 2, **({} if deterministic else {"hopper_dq_fixed": 1})}
         if head_dim > 64:
             assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
-            assert hopper == points[-2:] == [{**base, **deep}, {**base, **first}]
+            assert hopper == points[-3:] == [{**base, **deep}, {**base, **first},
+                                             {**base, **first, "hopper_split": 2}]
         else:
             assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
@@ -569,6 +570,7 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
                 want.append({**rows, **groups, "hopper_kv_regs": 1})
             want.append({**rows, "hopper_dq_frag": 1})
             want.append({**rows, "hopper_dq_frag": 1, **first})
+            want.append({**rows, "hopper_dq_frag": 1, **first, "hopper_split": 2})
             assert hopper == points[-len(want):] == want
         for pt in hopper:
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)
@@ -596,11 +598,12 @@ def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants()
 
 def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first``) is
-    followed in the seeds by itself with the knob: =2 beyond 1k keys, =1 up to it, and in
-    the fixed order for a ``deterministic=False`` call. No such point for a winner the knob
-    cannot serve (dQ staged in rows, a portable kernel), the forward or another
-    architecture."""
+    """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first`` and
+    ``hopper_split``) is followed in the seeds by itself with each knob: store-first =2
+    beyond 1k keys, =1 up to it, and in the fixed order for a ``deterministic=False`` call;
+    split in two where there are two sequences or KV heads. No such point for a winner a
+    knob cannot serve (store-first: dQ staged in rows; both: a portable kernel), the
+    forward or another architecture."""
     from dataclasses import replace
 
     from flashtune.autotune.priors import winner_points
@@ -614,18 +617,24 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     won = {**config_to_dict(config.default_bwd(p, config.BWD_HOPPER)), "hopper_stages": 3,
            "hopper_regs": 232, "hopper_stagger": 0}
     assert won["hopper_dq_frag"] == 1 and won["hopper_dq_store_first"] == 0
-    assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}]
+    split = {**won, "hopper_split": 2}
+    assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}, split]
     short = replace(p, seqlen_q=1000, seqlen_k=1000)
-    assert winner_points("bwd", won, short, "9.0") == [{**won, "hopper_dq_store_first": 1}]
+    assert winner_points("bwd", won, short, "9.0") == [{**won, "hopper_dq_store_first": 1},
+                                                       split]
     free = replace(p, deterministic=False)
     assert winner_points("bwd", won, free, "9.0") == [
-        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}]
+        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split]
+    # One sequence of one KV head: nothing to split.
+    alone = replace(p, batch=1, heads_q=1, heads_kv=1)
+    assert winner_points("bwd", won, alone, "9.0") == [{**won, "hopper_dq_store_first": 2}]
     rows = {**won, "hopper_dq_frag": 0}
     portable = config_to_dict(config.default_bwd(p, BWD_ONE_LAUNCH))
-    assert winner_points("bwd", rows, p, "9.0") == []
+    assert winner_points("bwd", rows, p, "9.0") == [{**rows, "hopper_split": 2}]
     assert winner_points("bwd", portable, p, "9.0") == []
     assert winner_points("bwd", won, p, "8.0") == winner_points("fwd", won, p, "9.0") == []
-    assert winner_points("bwd", {**won, "hopper_dq_store_first": 2}, p, "9.0") == []
+    assert winner_points("bwd", {**won, "hopper_dq_store_first": 2, "hopper_split": 2}, p,
+                         "9.0") == []
 
     # Through the seeds, from a database whose winner an older Triton tuned.
     here = replace(device_info("cpu"), name="NVIDIA H200", capability="9.0", sm_count=132,
@@ -637,9 +646,10 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
         st.put_result(here, before, p.key("bwd"), won, problem=p, tflops=1.0, median_ms=2.0,
                       p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9, search_seconds=1.0)
         seeds = _seed_configs(st, here, now, p, "bwd", BWD, shipped=False)
-    assert [s for _, s in seeds[:3]] == ["stale", "stale+", "default"]
+    assert [s for _, s in seeds[:4]] == ["stale", "stale+", "stale+", "default"]
     assert seeds[0][0] == BWD.project(won)
     assert seeds[1][0] == BWD.project({**won, "hopper_dq_store_first": 2})
+    assert seeds[2][0] == BWD.project(split)
     # Such a search measures the winner's knob point too, however short its budget.
     assert seeded_min_trials(seeds) == STALE_MIN_TRIALS > 2
     assert seeded_min_trials([(won, "shipped"), (won, "shipped+")]) == STALE_MIN_TRIALS

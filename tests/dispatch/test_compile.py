@@ -99,3 +99,37 @@ def test_compile_fullgraph_inductor_gpu(db):
     reads = dispatch.stats()["db_reads"]
     check_compiled_matches_eager("cuda", "inductor", seqlens=(256, 1000))
     assert dispatch.stats()["db_reads"] == reads
+
+
+@pytest.mark.gpu
+def test_compile_reduce_overhead_with_a_split_hopper_backward(db):
+    """torch.compile with CUDA graphs (``mode="reduce-overhead"``) over a model whose tuned
+    backward is the Hopper kernel in two halves (``hopper_split=2``, the second on a side
+    stream forked from the captured one and joined back): the eager results, run after
+    run of the graph (warm-up, record, replays)."""
+    import dataclasses
+
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, hopper_support
+
+    reason = hopper_support()
+    if reason:
+        pytest.skip(f"Hopper kernels cannot run here: {reason}")
+    p = prob(seqlen_q=1000, seqlen_k=1000, head_dim=64)
+    split = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_split=2)
+    put(db, p, "bwd", split)
+    dispatch.preload("cuda")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention(dim=256).to(device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead", dynamic=False)
+    x = torch.randn(2, 1000, 256, device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1000, 64, device="cuda", dtype=torch.bfloat16)
+    assert config_to_dict(dispatch.resolve("bwd", q, k, True, (-1, -1), 0.0)) == \
+        config_to_dict(split)
+    want, want_g = _run(model, x)
+    for _ in range(4):
+        got, got_g = _run(compiled, x)
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        for g, w in zip(got_g, want_g, strict=True):
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)

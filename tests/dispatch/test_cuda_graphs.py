@@ -54,6 +54,21 @@ def _capture(q, k, v, do, fn, warmup: int):
     return graph, static
 
 
+def _replays_match(p, graph, captured, static, eager) -> None:
+    """Replays on new inputs (seeds 1 and 2, copied into the captured buffers) give the
+    bits of ``eager`` on those inputs."""
+    for seed in (1, 2):
+        fresh = _inputs(p, seed)
+        with torch.no_grad():
+            for dst, src in zip(captured, fresh, strict=True):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = [t.clone() for t in _step(*fresh, eager)]
+        for got, ref in zip(static, want, strict=True):
+            assert torch.equal(got, ref)
+
+
 def test_graph_replay_matches_eager_and_reads_nothing(db):
     p = prob(seqlen_q=512, seqlen_k=512, head_dim=64)
     put(db, p, "fwd", FWD_A)
@@ -62,16 +77,8 @@ def test_graph_replay_matches_eager_and_reads_nothing(db):
     _step(*_inputs(p, 3), flashtune.flash_attention)  # eager first: loads the table
     before = dispatch.stats()
     graph, static = _capture(q, k, v, do, flashtune.flash_attention, warmup=2)
-    for seed in (1, 2):  # new inputs, copied into the captured buffers
-        fresh = _inputs(p, seed)
-        with torch.no_grad():
-            for dst, src in zip((q, k, v, do), fresh, strict=True):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = [t.clone() for t in _step(*fresh, flashtune.flash_attention)]
-        for got, ref in zip(static, want, strict=True):
-            assert torch.equal(got, ref)  # same kernels, same configs: the same bits
+    # Same kernels, same configs: the same bits.
+    _replays_match(p, graph, (q, k, v, do), static, flashtune.flash_attention)
     after = dispatch.stats()
     assert after["db_reads"] == before["db_reads"] == 1
     assert after["table_loads"] == before["table_loads"]
@@ -101,3 +108,28 @@ def test_first_sight_inside_capture_touches_no_database(db):
         assert torch.equal(got, ref)
     # Outside capture the table loads and the tuned config is served.
     assert dispatch.resolve("fwd", q, k, True, (-1, -1), 0.0) == FWD_A
+
+
+def test_graph_replay_of_a_split_hopper_backward():
+    """The Hopper backward in two halves (``hopper_split=2``) forks a side stream inside
+    the capture and joins it back: replays on fresh inputs give the eager whole call's
+    gradients, bit for bit (deterministic: each half sums dQ in the whole call's order),
+    with the eager call run after the replay, on a stream that did not capture."""
+    import dataclasses
+
+    from flashtune.kernels.config import BWD_HOPPER, hopper_support
+
+    reason = hopper_support()
+    if reason:
+        pytest.skip(f"Hopper kernels cannot run here: {reason}")
+    p = prob(seqlen_q=1000, seqlen_k=1000, head_dim=128)
+    whole = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_split=1)
+    split = dataclasses.replace(whole, hopper_split=2)
+
+    def forced(cfg):
+        return lambda q, k, v, causal: attention.flash_attention(
+            q, k, v, causal=causal, config=(default_fwd(p), cfg))
+
+    q, k, v, do = _inputs(p)
+    graph, static = _capture(q, k, v, do, forced(split), warmup=2)
+    _replays_match(p, graph, (q, k, v, do), static, forced(whole))

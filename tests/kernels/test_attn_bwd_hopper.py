@@ -306,6 +306,72 @@ def _store_first(seed: int) -> list[str]:
     return failures
 
 
+def _split(seed: int) -> list[str]:
+    """``hopper_split=2``: the call as two halves, the second on a side stream - of the
+    batch (three sequences: one and two), else of the KV heads (one sequence, GQA, odd
+    numbers of KV heads, the flash-attn layout whose head slices are strided views). In
+    the fixed order each half sums every dQ tile in the whole call's order, so the
+    gradients are the whole call's bits, call after call (an unmasked 1k problem takes
+    the cyclic order, whose key tiles wait for each other, with both halves' main kernels
+    in flight); in the free order within rounding; every case against the reference too.
+    And what the tuner times (``bwd_steps``, buffers made once) is the same."""
+    import torch
+
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.kernels.attn_bwd import bwd_steps
+    from flashtune.kernels.attn_bwd_hopper import split_plan
+    from flashtune.kernels.attn_fwd import attn_fwd
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd, default_fwd
+    from flashtune.problem import Problem, default_scale
+
+    from .helpers import check_case, make_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout in (
+            (Problem(3, 4, 2, 1000, 1100, 128, "bf16", True, deterministic=True), "bhsd"),
+            (Problem(2, 4, 4, 1024, 1024, 128, "bf16", False, deterministic=True), "bshd"),
+            (Problem(1, 8, 4, 777, 901, 64, "fp16", False, deterministic=True), "bshd"),
+            (Problem(1, 6, 3, 900, 900, 128, "bf16", False, (300, 40), deterministic=True),
+             "bshd"),
+            (Problem(2, 4, 4, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd")):
+        whole = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_split=1)
+        split = dataclasses.replace(whole, hopper_split=2)
+        if len(split_plan(p.batch, p.heads_q, p.heads_kv, 2)) != 2:
+            failures.append(f"{p}: not split")
+        try:
+            check_case(p, "cuda", bwd=split, layout=layout, gen=gen,
+                       deterministic=p.deterministic)
+        except AssertionError as e:
+            failures.append(f"{p} split: {e}")
+        q, k, v, do = make_qkv(p, "cuda", layout, gen)
+        runs = []
+        for cfg in (whole, split, split):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
+                                  config=cfg, deterministic=p.deterministic)
+            runs.append(torch.autograd.grad(out, (qg, kg, vg), do))
+        kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
+                  softcap=0.0)
+        o, lse = attn_fwd(q, k, v, config=default_fwd(p), **kw)
+        grads, steps = bwd_steps(do, q, k, v, o, lse, config=split,
+                                 deterministic=p.deterministic, **kw)
+        for _ in range(2):
+            for _, launch in steps:
+                launch()
+        torch.cuda.synchronize()
+        runs.append(grads)
+        for i, label in ((1, "split"), (2, "split again"), (3, "split, as the tuner times it")):
+            for name, a, b in zip("dq dk dv".split(), runs[i], runs[0], strict=True):
+                same = torch.equal(a, b) if p.deterministic else torch.allclose(
+                    a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+                if not same:
+                    err = (a.float() - b.float()).abs().max().item()
+                    failures.append(f"{p} {layout} {label}: {name} differs from the whole "
+                                    f"call's (max abs difference {err:.3g})")
+    return failures
+
+
 def _defaults(seed: int) -> list[str]:
     """What a call with no tuned entry is served from 1k queries and keys (session 42's
     default rule): the Hopper backward's default config, K and V in registers at D=64,
@@ -361,7 +427,7 @@ def needs_hopper() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
-                                   "_store_first"])
+                                   "_store_first", "_split"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

@@ -197,7 +197,8 @@ def test_active_fields_and_round_trip() -> None:
     fields = set(active_fields(BwdConfig, BWD_HOPPER))
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
-            "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "pre_block_m",
+            "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
+            "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -404,6 +405,70 @@ def test_prepared_backward_fixes_the_call_signature() -> None:
     bufs = odd.buffers(*(torch.empty(b, h, 1001, d),) * 3, lse_odd)
     assert bufs[3] is lse_odd  # read with masked loads: no alignment needed, no copy
     assert bufs[6] is bufs[5]  # the free order has no semaphores
+
+
+def test_a_split_backward_runs_two_halves_of_whole_heads() -> None:
+    """``hopper_split=2`` (on CPU tensors: nothing launches, what is fixed can be read):
+    the batch is halved where it has two sequences, else the KV heads with their groups'
+    query heads; one sequence of one KV head, or ``hopper_split=1``, is not split. Each
+    half is prepared over views of the call's tensors and bakes in the strides of the
+    whole call's gradients (a head slice of the flash-attn layout is a strided view, whose
+    empty_like would be contiguous), and gets its own accumulator and semaphores."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import (
+        HopperBwdLaunch,
+        SplitHopperBwdLaunch,
+        prepare_hopper_bwd,
+        split_plan,
+    )
+
+    all_ = slice(0, None)
+    assert split_plan(3, 8, 2, 2) == [(slice(0, 1), all_, all_), (slice(1, 3), all_, all_)]
+    assert split_plan(1, 12, 3, 2) == [(all_, slice(0, 4), slice(0, 1)),
+                                       (all_, slice(4, 12), slice(1, 3))]
+    assert split_plan(1, 4, 1, 2) == split_plan(5, 4, 4, 1) == [(all_, all_, all_)]
+
+    d, s = 64, 512
+    cfg = dataclasses.replace(HOP, hopper_block_m=64, hopper_block_n=128, hopper_stages=2,
+                              hopper_split=2)
+
+    def prepared(b: int, hq: int, hk: int, c: BwdConfig = cfg) -> tuple[object, tuple]:
+        # The flash-attn layout: (B, S, H, D) storage seen as (B, H, S, D).
+        q, do, o = (torch.randn(b, s, hq, d, dtype=torch.bfloat16).transpose(1, 2)
+                    for _ in range(3))
+        k, v = (torch.randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        return prepare_hopper_bwd(do, q, k, v, o, sm_scale=0.125, mask=(-1, 0, False, True),
+                                  scales=(0.18, 0.0, 0.0), softcap=0.0, config=c,
+                                  deterministic=True), (q, k, v)
+
+    whole, _ = prepared(2, 4, 4, dataclasses.replace(cfg, hopper_split=1))
+    assert type(whole) is HopperBwdLaunch
+    alone, _ = prepared(1, 4, 1)
+    assert type(alone) is HopperBwdLaunch
+
+    heads, (q, k, v) = prepared(1, 6, 3)
+    assert isinstance(heads, SplitHopperBwdLaunch) and len(heads.parts) == 2
+    first, second = heads.parts
+    # The main kernel's grid is (key tiles, batch x KV heads); dK and dV strides are the
+    # whole call's (B, S, H, D) ones, not a contiguous half's.
+    assert first.main.grid[:2] == (4, 1) and second.main.grid[:2] == (4, 2)
+    bshd = (s * 3 * d, d, 3 * d)
+    assert tuple(first.main.args[10:13]) == tuple(second.main.args[13:16]) == bshd
+    assert first.sem_shape == (2, s // 64, 2) and second.sem_shape == (4, s // 64, 2)
+    # The finish kernel writes dQ with the whole call's strides too.
+    assert tuple(second.finish.args[2:6]) == tuple(torch.empty_like(q).stride())
+    bufs = heads.buffers(q, k, v, torch.randn(1, 6, s))
+    assert [t.shape for t in bufs[:5]] == [q.shape, k.shape, v.shape, (1, 6, s), (1, 6, s)]
+    assert bufs[0].stride() == torch.empty_like(q).stride()
+    assert [t.shape for t in bufs[5:]] == [torch.Size(first.acc_shape),
+                                           torch.Size(first.sem_shape),
+                                           torch.Size(second.acc_shape),
+                                           torch.Size(second.sem_shape)]
+
+    batch, _ = prepared(3, 4, 2)
+    assert [p.main.grid[:2] for p in batch.parts] == [(4, 2), (4, 4)]
 
 
 def test_a_forced_config_the_launch_cannot_plan_fails_before_any_launch(

@@ -1,0 +1,176 @@
+"""Each shipped backward entry of this GPU against itself with knobs changed, as the
+tuner would measure the pair, and the winners written back into the shipped layer.
+
+On the GPU (``--set``; ``--part i/n`` takes every n-th entry, for one process per GPU):
+for each shipped entry of this device's name whose config the changed knobs apply to
+(the kernel variant that has them, ``--min-bh`` batch x KV heads), the candidate goes
+through the tuner's measurement (first launch, the gate against the fp32 reference, a
+timing), then the entry's config and the candidate are timed against each other in one
+interleaved loop (``measure.retime``, the house protocol: L2 flushed before every call,
+clocks meeting both alike). One JSON row per entry.
+
+    python3 benchmarks/retime_knob.py --set hopper_split=2 --out retime.json
+
+Here (``--apply``): the rows whose candidate passed the gate and ran at least
+``--min-gain`` faster replace their entries' configs and timings (the candidate's median,
+p20 and p80 from the shared loop) in ``flashtune/data/shipped.json``, where the entry is
+still the one that was timed (same device, key and config; the kernel hash of the tree
+that ran on the GPU must be the entry's), written as ``autotune export`` writes it.
+
+    python3 benchmarks/retime_knob.py --apply retime.json [retime2.json] --min-gain 0.005
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flashtune", "data",
+                       "shipped.json")
+
+
+def knob_values(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        out[name] = int(value)
+    return out
+
+
+def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
+                   rounds: int, out_path: str) -> None:
+    import torch
+
+    from flashtune.autotune.measure import Bench, measure, retime
+    from flashtune.db.fingerprint import software_info
+    from flashtune.exceptions import InfeasibleConfigError
+    from flashtune.kernels.config import active_fields, check_bwd, config_from_dict
+    from flashtune.problem import Problem
+
+    name = torch.cuda.get_device_name()
+    sw = software_info().for_direction("bwd")
+    entries = json.load(open(SHIPPED))["entries"]
+    mine = [(i, e) for i, e in enumerate(entries)
+            if e["direction"] == "bwd" and e["device"]["name"] == name]
+    i_part, n_part = part
+    mine = mine[i_part - 1::n_part]
+    out: dict[str, Any] = {"device": name, "software": dataclasses.asdict(sw), "set": knobs,
+                           "torch": torch.__version__, "rows": []}
+    for index, e in mine:
+        cfg = config_from_dict("bwd", e["config"])
+        p = Problem.from_dict(e["example"])
+        row: dict[str, Any] = {"index": index, "key": e["problem"], "example": e["example"],
+                               "config": e["config"], "software": e["software"]}
+        if not set(knobs) <= set(active_fields(type(cfg), cfg.variant)):
+            continue  # a kernel variant without these knobs
+        if p.batch * p.heads_kv < min_bh:
+            continue
+        cand = dataclasses.replace(cfg, **knobs)
+        try:
+            check_bwd(cand, p)
+        except InfeasibleConfigError as err:
+            row["status"] = f"infeasible: {err}"
+            out["rows"].append(row)
+            continue
+        t0 = time.perf_counter()
+        bench = Bench(p, "cuda")
+        m = measure(bench, "bwd", cand, seed=0)
+        row.update(status=m.status, max_error=m.max_error, gate_ratio=m.ratio,
+                   detail=m.detail)
+        if m.status == "ok":
+            base, new = retime(bench, "bwd", [cfg, cand], rounds=rounds)
+            row.update(entry_ms=[base.median_ms, base.p20_ms, base.p80_ms],
+                       candidate_ms=[new.median_ms, new.p20_ms, new.p80_ms],
+                       speedup=base.median_ms / new.median_ms)
+        row["seconds"] = time.perf_counter() - t0
+        out["rows"].append(row)
+        b, h = p.batch, p.heads_q
+        print(f"{index:3} {b}x{h}/{p.heads_kv}x{p.seqlen_q}x{p.head_dim}"
+              f"{' causal' if p.causal else ''}{'' if p.deterministic else ' nondet'}: "
+              f"{m.status} " + (f"{row['speedup']:.3f}x" if "speedup" in row else ""),
+              flush=True)
+        del bench
+        torch.cuda.empty_cache()
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1)
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def apply(paths: list[str], min_gain: float) -> None:
+    from flashtune.db import open_storage
+    from flashtune.db.exchange import export_json, import_json
+    from flashtune.db.fingerprint import software_info
+    from flashtune.kernels.config import config_from_dict, config_to_dict
+    from flashtune.problem import Problem
+
+    data = json.load(open(SHIPPED))
+    entries = data["entries"]
+    here = dataclasses.asdict(software_info().for_direction("bwd"))
+    changed = 0
+    for path in paths:
+        run = json.load(open(path))
+        if run["software"]["kernels_hash"] != here["kernels_hash"]:
+            raise SystemExit(f"{path}: timed with kernel hash {run['software']['kernels_hash']}"
+                             f", this tree's is {here['kernels_hash']}")
+        for row in run["rows"]:
+            if row.get("status") != "ok" or row["speedup"] < 1.0 + min_gain:
+                continue
+            # The entry timed (its index may have moved since: a relabel re-exports).
+            timed = config_from_dict("bwd", row["config"])  # (knobs added since: defaults)
+            found = [e for e in entries if e["direction"] == "bwd"
+                     and e["device"]["name"] == run["device"] and e["problem"] == row["key"]
+                     and config_from_dict("bwd", e["config"]) == timed]
+            if len(found) != 1:
+                raise SystemExit(f"{path}: the entry timed as {row['index']} is not in the "
+                                 "shipped layer (once) any more")
+            e = found[0]
+            if e["software"]["kernels_hash"] != here["kernels_hash"]:
+                raise SystemExit(f"entry {row['index']}: kernel hash "
+                                 f"{e['software']['kernels_hash']} is not this tree's "
+                                 "(relabel the shipped layer first)")
+            med, p20, p80 = row["candidate_ms"]
+            p = Problem.from_dict(e["example"])
+            e["config"] = config_to_dict(dataclasses.replace(timed, **run["set"]))
+            e.update(median_ms=med, p20_ms=p20, p80_ms=p80, max_error=row["max_error"],
+                     tflops=p.flops("bwd") / (med * 1e9), trials=e["trials"] + 1,
+                     search_seconds=e["search_seconds"] + row["seconds"])
+            changed += 1
+            print(f"entry {row['index']}: {row['speedup']:.3f}x with {run['set']}")
+    # Written as `autotune export` writes it: through an in-memory database.
+    with open_storage("sqlite://") as st:
+        import_json(st, json.dumps(data).encode())
+        out = export_json(st)
+    with open(SHIPPED, "wb") as f:
+        f.write(out)
+    print(f"{changed} entries changed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", action="append", default=[], help="knob=value (repeatable)")
+    ap.add_argument("--part", default="1/1")
+    ap.add_argument("--min-bh", type=int, default=1, help="least batch x KV heads")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
+    ap.add_argument("--min-gain", type=float, default=0.005)
+    args = ap.parse_args()
+    if args.apply:
+        apply(args.apply, args.min_gain)
+        return
+    if not args.set or not args.out:
+        ap.error("--set and --out (or --apply)")
+    i, n = (int(x) for x in args.part.split("/"))
+    retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out)
+
+
+if __name__ == "__main__":
+    main()
