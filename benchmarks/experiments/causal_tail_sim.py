@@ -1,0 +1,77 @@
+"""A model (not a measurement) of the causal Hopper backward's tail: how far past the
+ideal (total work / SMs) the grid's last programs finish, with the grid launched in the
+order the kernel launches it, against orders it could take. CPU only; no kernel runs.
+
+What it models (flashtune/kernels/attn_bwd_hopper.py, ORDER 1, causal, Sq = Sk):
+- one program per (head, key tile of ``BLOCK_N`` keys), one program per SM, each
+  launched when an SM is free, in grid order: head by head, and within a head from the
+  last key tile to the first (``_key_tile``: a program waits only for earlier ones), so
+  each head's lightest key tile first and its heaviest (key tile 0, which visits every
+  query tile) last;
+- a program's time is the number of query tiles it visits (``BLOCK_M`` rows each):
+  ``n_m - j * BLOCK_N / BLOCK_M`` for key tile ``j``; waits for dQ turns are left out
+  (with the lighter tiles launched first they are rare).
+
+The orders: ``head-major`` (the kernel's), ``rank-major`` (every head's tile of one rank
+before the next rank: the same order within a head, heads interleaved, at the price of
+L2 reuse, which the model leaves out), and ``paired`` (one program walks key tiles ``j``
+and ``n_n - 1 - j``, all programs the same work: the classic causal balancing, which
+would need its own dQ turn order to stay free of deadlocks).
+
+    python3 benchmarks/experiments/causal_tail_sim.py [--sms 132]
+
+Session 54: head-major 1.074-1.082x the ideal at the standard causal D=128 shapes,
+rank-major 1.031-1.063x, paired 1.031x (then only the last wave's quantization). The
+measured main kernel (session 53) took 0.540x the unmasked one's time at 16k, where the
+causal work is 0.504x of it: the gap the model's tail and the diagonal tiles' masking
+share. A hypothesis for a profile to confirm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+
+
+def makespan(works: list[float], sms: int) -> float:
+    """When the last program ends, programs launched in order on the first free SM."""
+    free = [0.0] * sms
+    end = 0.0
+    for w in works:
+        t = heapq.heappop(free)
+        heapq.heappush(free, t + w)
+        end = max(end, t + w)
+    return end
+
+
+def orders(seqlen: int, heads: int, block_n: int, block_m: int) -> dict[str, list[float]]:
+    n_n, n_m = seqlen // block_n, seqlen // block_m
+
+    def work(j: int) -> float:
+        return n_m - j * block_n // block_m
+
+    light_first = list(reversed(range(n_n)))
+    return {
+        "head-major": [work(j) for _ in range(heads) for j in light_first],
+        "rank-major": [work(j) for j in light_first for _ in range(heads)],
+        "paired": [work(j) + work(n_n - 1 - j) for _ in range(heads) for j in range(n_n // 2)],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--block-m", type=int, default=64)
+    args = ap.parse_args()
+    print("| B*H x S | " + " | ".join(orders(1024, 1, args.block_n, args.block_m)) + " |")
+    print("|---|---|---|---|")
+    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+        cases = orders(seqlen, bh, args.block_n, args.block_m)
+        ideal = sum(cases["head-major"]) / args.sms
+        print(f"| {bh} x {seqlen} | " + " | ".join(
+            f"{makespan(w, args.sms) / ideal:.3f}" for w in cases.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
