@@ -20,8 +20,15 @@ would need its own dQ turn order to stay free of deadlocks).
 
     python3 benchmarks/experiments/causal_tail_sim.py [--sms 132]
 
+``with_turns`` adds the fixed order's waits and the ``hopper_lpt`` design (heaviest key
+tile first, each walking its query tiles from the last, turns ascending: still a program
+waits only for earlier ones, and tiles launched later reach each query tile later), by
+head or rank by rank over groups of heads.
+
 Session 54: head-major 1.074-1.082x the ideal at the standard causal D=128 shapes,
-rank-major 1.031-1.063x, paired 1.031x (then only the last wave's quantization). The
+rank-major 1.031-1.063x, paired 1.031x (then only the last wave's quantization); with the
+turns, the kernel's order 1.076-1.083x, ``hopper_lpt`` 1 1.011x at 16k but 1.061-1.085x
+from 8k down, 16 1.002-1.025x, 64 1.002-1.009x. The
 measured main kernel (session 53) took 0.540x the unmasked one's time at 16k, where the
 causal work is 0.504x of it: the gap the model's tail and the diagonal tiles' masking
 share. A hypothesis for a profile to confirm.
@@ -58,6 +65,43 @@ def orders(seqlen: int, heads: int, block_n: int, block_m: int) -> dict[str, lis
     }
 
 
+def with_turns(n_n: int, heads: int, sms: int, *, lpt: int, add: float = 0.05,
+               ring: int = 2) -> float:
+    """Makespan over the ideal of the fixed dQ order, its turns included: each (key tile,
+    query tile) costs one unit of compute, then its dQ add (``add`` units on the program's
+    writer) waits for the add ranked before it on that query tile; a consumer runs at
+    most ``ring`` adds ahead of its writer. ``lpt`` 0: the kernel's order (lightest key
+    tile first, head by head, walks ascending, turns descending); G > 0: ``hopper_lpt``
+    G (heaviest first, walks descending, turns ascending; rank by rank over groups of G
+    heads when G > 1)."""
+    n_m = 2 * n_n
+    if lpt == 0:
+        progs = [(h, j) for h in range(heads) for j in reversed(range(n_n))]
+    else:
+        progs = [(h, j) for g0 in range(0, heads, lpt) for j in range(n_n)
+                 for h in range(g0, min(heads, g0 + lpt))]
+    done: dict[tuple[int, int, int], float] = {}
+    free = [0.0] * sms
+    end = busy = 0.0
+    for h, j in progs:  # each waits only for programs launched before it
+        t = writer = heapq.heappop(free)
+        walk = range(2 * j, n_m) if lpt == 0 else range(n_m - 1, 2 * j - 1, -1)
+        ends: list[float] = []
+        for i, m in enumerate(walk):
+            if i >= ring:
+                t = max(t, ends[i - ring])
+            t += 1.0
+            prev = (j + 1 if j + 1 <= m // 2 else None) if lpt == 0 else (j - 1 if j else None)
+            ready = done[(h, m, prev)] if prev is not None else 0.0
+            writer = max(t, writer, ready) + add
+            done[(h, m, j)] = writer
+            ends.append(writer)
+        heapq.heappush(free, max(t, writer))
+        end = max(end, t, writer)
+        busy += len(walk)
+    return end / (busy / sms)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sms", type=int, default=132)
@@ -71,6 +115,13 @@ def main() -> None:
         ideal = sum(cases["head-major"]) / args.sms
         print(f"| {bh} x {seqlen} | " + " | ".join(
             f"{makespan(w, args.sms) / ideal:.3f}" for w in cases.values()) + " |")
+    print("\nWith the fixed order's turns (add = 0.05 of a tile's compute, ring 2):")
+    print("| B*H x S | kernel's order | lpt 1 | lpt 16 | lpt 64 |")
+    print("|---|---|---|---|---|")
+    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+        n_n = seqlen // args.block_n
+        print(f"| {bh} x {seqlen} | " + " | ".join(
+            f"{with_turns(n_n, bh, args.sms, lpt=g):.3f}" for g in (0, 1, 16, 64)) + " |")
 
 
 if __name__ == "__main__":
