@@ -3,7 +3,8 @@ tuner would measure the pair, and the winners written back into the shipped laye
 
 On the GPU (``--set``; ``--part i/n`` takes every n-th entry, for one process per GPU):
 for each shipped entry of this device's name whose config the changed knobs apply to
-(the kernel variant that has them, ``--min-bh`` batch x KV heads), the candidate goes
+(the kernel variant that has them, ``--min-bh`` batch x KV heads, ``--masked``: causal or
+windowed problems only), the candidate goes
 through the tuner's measurement (first launch, the gate against the fp32 reference, a
 timing), then the entry's config and the candidate are timed against each other in one
 interleaved loop (``measure.retime``, the house protocol: L2 flushed before every call,
@@ -46,7 +47,7 @@ def knob_values(items: list[str]) -> dict[str, int]:
 
 
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
-                   rounds: int, out_path: str) -> None:
+                   rounds: int, out_path: str, masked: bool = False) -> None:
     import torch
 
     from flashtune.autotune.measure import Bench, measure, retime
@@ -73,6 +74,8 @@ def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
             continue  # a kernel variant without these knobs
         if p.batch * p.heads_kv < min_bh:
             continue
+        if masked and not (p.causal or tuple(p.window) != (-1, -1)):
+            continue  # a knob of masked calls only (hopper_lpt)
         cand = dataclasses.replace(cfg, **knobs)
         try:
             check_bwd(cand, p)
@@ -165,6 +168,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="knob=value (repeatable)")
     ap.add_argument("--part", default="1/1")
     ap.add_argument("--min-bh", type=int, default=1, help="least batch x KV heads")
+    ap.add_argument("--masked", action="store_true",
+                    help="only entries of causal or windowed problems")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -176,7 +181,8 @@ def main() -> None:
     if not args.set or not args.out:
         ap.error("--set and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
-    retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out)
+    retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
+                   args.masked)
 
 
 if __name__ == "__main__":
