@@ -4,7 +4,7 @@ tuner would measure the pair, and the winners written back into the shipped laye
 On the GPU (``--set``; ``--part i/n`` takes every n-th entry, for one process per GPU):
 for each shipped entry of this device's name whose config the changed knobs apply to
 (the kernel variant that has them, ``--min-bh`` batch x KV heads, ``--masked``: causal or
-windowed problems only), the candidate goes
+windowed problems only, ``--unmasked`` the others, ``--max-keys``), the candidate goes
 through the tuner's measurement (first launch, the gate against the fp32 reference, a
 timing), then the entry's config and the candidate are timed against each other in one
 interleaved loop (``measure.retime``, the house protocol: L2 flushed before every call,
@@ -47,7 +47,8 @@ def knob_values(items: list[str]) -> dict[str, int]:
 
 
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
-                   rounds: int, out_path: str, masked: bool = False) -> None:
+                   rounds: int, out_path: str, masked: bool = False,
+                   unmasked: bool = False, max_keys: int = 0) -> None:
     import torch
 
     from flashtune.autotune.measure import Bench, measure, retime
@@ -75,7 +76,11 @@ def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
         if p.batch * p.heads_kv < min_bh:
             continue
         if masked and not (p.causal or tuple(p.window) != (-1, -1)):
-            continue  # a knob of masked calls only (hopper_lpt)
+            continue  # a knob of masked calls only
+        if unmasked and (p.causal or tuple(p.window) != (-1, -1)):
+            continue  # a knob of unmasked calls only (hopper_persist)
+        if max_keys and p.seqlen_k > max_keys:
+            continue
         cand = dataclasses.replace(cfg, **knobs)
         try:
             check_bwd(cand, p)
@@ -170,6 +175,10 @@ def main() -> None:
     ap.add_argument("--min-bh", type=int, default=1, help="least batch x KV heads")
     ap.add_argument("--masked", action="store_true",
                     help="only entries of causal or windowed problems")
+    ap.add_argument("--unmasked", action="store_true",
+                    help="only calls without a causal mask or window")
+    ap.add_argument("--max-keys", type=int, default=0, help="only calls of at most this many "
+                    "keys (0: any)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -182,7 +191,7 @@ def main() -> None:
         ap.error("--set and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
     retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
-                   args.masked)
+                   args.masked, args.unmasked, args.max_keys)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ one's, loaded (the cache key holds no path), and proved only that the keys agree
 proof for an edit that moves lines in a kernel module (each kernel's PTX then differs in
 its ``.loc`` directives only, and those do not reach the machine code) or that changes
 code the entries do not compile (a ``constexpr`` branch they do not take). ``--no-lines``
-proves the same from the PTX without its line info, and is the better proof: the ptxas
+proves the same from the PTX without its line info (nor the labels that anchor its debug
+scopes), and is the better proof: the ptxas
 of Triton 3.6 (12.8) does not always give the same machine code for the same PTX: on the
 Hopper backward's large D=128 kernels three builds of one PTX gave three schedules
 (session 38). A SASS difference between fresh builds there is no proof of a change.
@@ -37,6 +38,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -64,14 +66,21 @@ from flashtune.problem import default_scale  # noqa: E402
 TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(FH.__file__))))
 
 
+DEBUG_LABEL = re.compile(r"^\$L__tmp\d+:\s*$")
+
+
 def code(ptx: str, lines: bool = True) -> str:
     """``ptx`` up to its debug sections, the tree's path as ``<tree>``: all of the code
     and, with ``lines``, its line info (``.loc``, ``.file``), none of where the tree
     lies."""
     out = ptx.split("\n\t.section\t.debug", 1)[0].replace(TREE, "<tree>")
     if not lines:
+        # Without line info also without the labels that only anchor the debug sections'
+        # scopes (``$L__tmpN:``, one per inlined call's start or end; no instruction
+        # refers to them): a helper function more, inlined, numbers them anew.
         out = "\n".join(ln for ln in out.split("\n")
-                        if not ln.lstrip().startswith((".loc", ".file")))
+                        if not ln.lstrip().startswith((".loc", ".file"))
+                        and not DEBUG_LABEL.match(ln))
     return out
 
 H._sm_count = lambda index: 132

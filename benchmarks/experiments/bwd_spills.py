@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--store-first", type=int, default=0,
                     help="hopper_dq_store_first for CASES (with --frag)")
     ap.add_argument("--cases", default=None, help="indices into CASES, comma-separated")
+    ap.add_argument("--persist", action="store_true",
+                    help="CASES with hopper_persist=1 (unmasked cases only)")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -129,7 +131,8 @@ def main() -> None:
                             hopper_stages=st, hopper_regs=240, hopper_stagger=stagger,
                             hopper_dq_groups=int(args.groups and det),
                             hopper_dq_frag=int(args.frag),
-                            hopper_dq_store_first=args.store_first if det else 0)
+                            hopper_dq_store_first=args.store_first if det else 0,
+                            hopper_persist=int(args.persist and not causal))
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)

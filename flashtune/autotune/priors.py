@@ -174,6 +174,24 @@ def _hopper_split(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_split": 2} if p.batch * p.heads_kv >= 2 else {}
 
 
+# The longest keys at which hopper_persist ran faster than both split settings (H200,
+# session 55: 512 and 1k faster, 2k and 4k 3-5% slower; see _hopper_persist).
+PERSIST_MAX_KEYS = 1024
+
+
+def _hopper_persist(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """A persistent grid over heads (``hopper_persist``), which loads each next head's
+    first Q and dO while the last head finishes, for unmasked calls of at most
+    PERSIST_MAX_KEYS keys. With the shipped configs at one launch (H200, session 55,
+    ``bwd_shipped_variants.py``) it ran 32x16x512x128 1.05x and 16x16x1024x128 1.035x as
+    fast in the fixed order (1.03x and 1.01x against the shipped two halves), and from 2k
+    keys 0.95-0.97x: every program then spills more, and 128 of 132 SMs hold whole
+    heads."""
+    if p.causal or tuple(p.window) != (-1, -1) or p.seqlen_k > PERSIST_MAX_KEYS:
+        return {}
+    return {"hopper_persist": 1, "hopper_split": 1}
+
+
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """K and V back in registers (the default at head dim 64) beside 128-row tiles, in the
     fixed dQ order only (in the free order that pair ran 0.76-0.95x; see _hopper_rows)."""
@@ -196,6 +214,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist)),
     ],
 }
 
@@ -203,7 +222,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 # Compute-capability major -> moves tried on a key's stale or shipped winner (see
 # winner_points): the architecture's newest knobs, which winners tuned before they landed
 # never tried. A knob that lands later adds its move here.
-WINNER_MOVES: dict[int, tuple[Move, ...]] = {9: (_hopper_store_first, _hopper_split)}
+WINNER_MOVES: dict[int, tuple[Move, ...]] = {
+    9: (_hopper_store_first, _hopper_split, _hopper_persist)}
 
 
 def _major(capability: str) -> int | None:

@@ -29,6 +29,18 @@ each tile's dQ columns are computed one tile late (``_dq_stage``), so the two co
 which both need each other's dS, are not held in step at every tile. dK and dV never
 race: one program owns each key tile, and GQA heads are summed in order.
 
+**Persistent over heads** (``PERSIST``, ``hopper_persist``, calls without a mask): the grid
+is G programs per key tile (:func:`persistent_heads`: as many whole heads as the SMs hold),
+and program g walks heads g, g + G, ... in turn, each head as above. The producer loads a
+head's first Q and dO, then waits for the consumers to release the last head's K and V
+(``kv_empty``) and loads the new ones, so a head's start overlaps the last one's end
+instead of a new program's launch and prologue. Every head's key tiles run in the same
+round of G heads, which the cyclic fixed order needs (a key tile waits for the others of
+its head): this assumes all G x key-tile programs resident at once, as a whole GPU holds
+them (one program per SM); on fewer SMs the fixed order would wait for programs that
+cannot start. The one-head-per-program form is the same code with one head, its
+instructions those of the kernel before the knob.
+
 **How dQ is staged** (``hopper_dq_frag``): in rows (or the fixed order's column groups),
 the layout of the accumulator in global memory, or in the order the wgmma leaves the
 values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
@@ -127,31 +139,80 @@ PAST: gl.constexpr = gl.constexpr(1 << 24)
 
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
-                  v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty,
-                  heads_kv, seq_q, offset, left, right, n_m,
+                  v_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full,
+                  do_empty, heads_kv, seq_q, offset, left, right, n_m,
                   GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr):
-    BLOCK_N: gl.constexpr = 64 * CONSUMERS
-    D: gl.constexpr = desc_q.block_type.shape[3]
-    pid_n = _key_tile(ORDER)
-    bhk = gl.program_id(1)
-    b = bhk // heads_kv
-    hk = bhk % heads_kv
-    n0 = pid_n * BLOCK_N
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr,
+                  PERSIST: gl.constexpr):
+    """The loads: each (batch x KV head) of this program's key tile in turn, one head
+    (the program's) or with PERSIST every G-th (see persistent_heads)."""
+    if PERSIST:
+        cnt = gl.to_tensor(0)
+        j = gl.to_tensor(0)
+        for bhk in range(gl.program_id(1), desc_k.shape[0] * heads_kv, gl.num_programs(1)):
+            cnt = _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
+                                 k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
+                                 q_full, q_empty, do_full, do_empty, heads_kv, seq_q, offset,
+                                 left, right, n_m, bhk, cnt, j, GQA, WALK, CONSUMERS, BLOCK_M,
+                                 STAGES, ORDER, MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST)
+            j += 1
+    else:
+        _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
+                       v_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty,
+                       do_full, do_empty, heads_kv, seq_q, offset, left, right, n_m,
+                       0, 0, 0, GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER,
+                       MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST)
+
+
+@gluon.jit
+def _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j,
+             CONSUMERS: gl.constexpr, D: gl.constexpr, WAIT: gl.constexpr):
+    """Load the key tile's K and V (with WAIT, the ``j``-th head's of a persistent program,
+    once the consumers have released the last head's: ``kv_empty``)."""
+    if WAIT:
+        mbarrier.wait(kv_empty, (j & 1) ^ 1)
     mbarrier.expect(kv_ready, 2 * CONSUMERS * desc_k.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         k_dst = k_smem.index(c)._reinterpret(desc_k.dtype, [1, 1, 64, D], desc_k.layout)
         tma.async_copy_global_to_shared(desc_k, [b, hk, n0 + c * 64, 0], kv_ready, k_dst)
         v_dst = v_smem.index(c)._reinterpret(desc_v.dtype, [1, 1, 64, D], desc_v.layout)
         tma.async_copy_global_to_shared(desc_v, [b, hk, n0 + c * 64, 0], kv_ready, v_dst)
+
+
+@gluon.jit
+def _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
+                   v_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full,
+                   do_empty, heads_kv, seq_q, offset, left, right, n_m, bhk, cnt_in, j,
+                   GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr,
+                   PERSIST: gl.constexpr):
+    """The producer's loads for (batch x KV head) ``bhk``, its ``j``-th, the stage counter
+    at ``cnt_in`` (returned advanced). K and V first; with PERSIST after the head's first Q
+    and dO, which so load while the consumers finish the last head."""
+    BLOCK_N: gl.constexpr = 64 * CONSUMERS
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    pid_n = _key_tile(ORDER)
+    if not PERSIST:  # (read here: the one-head form keeps its instructions in order)
+        bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    n0 = pid_n * BLOCK_N
+    if not PERSIST:
+        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j, CONSUMERS,
+                 D, False)
     # Query tiles that see this key tile (roles swapped: offset -> -offset, left <-> right).
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
     # LSE and Δ: BLOCK_M fp32 values of row b * Hq + h of the (B*Hq, Sq) arrays; TMA reads
     # the columns past Sq as zeros (P is masked there; dO's zero rows make dS zero).
     ROW_BYTES: gl.constexpr = 4 * BLOCK_M if STAGE_LSE else 0
-    cnt = 0
+    if PERSIST:
+        cnt = cnt_in
+    else:
+        cnt = 0
+    c0 = cnt
     FLAT: gl.constexpr = GQA > 1 and WALK == 1
     for g0 in range(1 if FLAT else GQA):
         g = g0
@@ -184,7 +245,16 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, 
                                                                Delta.layout)
                 tma.async_copy_global_to_shared(Delta, [bh, start], do_full.index(buf),
                                                 delta_dst)
+            if PERSIST:
+                if cnt == c0:  # this head's first Q and dO are on their way: now K and V
+                    _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j,
+                             CONSUMERS, D, True)
             cnt += 1
+    if PERSIST:
+        if cnt == c0:  # a head without query tiles: its K and V all the same
+            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j,
+                     CONSUMERS, D, True)
+    return cnt
 
 
 @gluon.jit
@@ -309,7 +379,8 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                    seq_k, offset, left, right, n_m, GQA: gl.constexpr, WALK: gl.constexpr,
                    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr, STORE_FIRST: gl.constexpr):
+                   DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr, STORE_FIRST: gl.constexpr,
+                   PERSIST: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
@@ -319,6 +390,39 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
     tiles' work. With ``DQ_LAYOUT`` 1 a chunk is staged and added in column groups of
     eight (see _grouped) through a rank-5 view of the accumulator, [b, hq, D / 8, sq, 8];
     with 2 in register order (see _fragments), as a block of its own."""
+    if PERSIST:
+        cnt = gl.to_tensor(0)
+        for bhk in range(gl.program_id(1), _heads_of(desc_dq, heads_kv, GQA, DQ_LAYOUT),
+                         gl.num_programs(1)):
+            cnt = _writer_head(cid, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                               seq_k, offset, left, right, n_m, bhk, cnt, GQA, WALK, CONSUMERS,
+                               BLOCK_M, D, ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
+                               STORE_FIRST, PERSIST)
+    else:
+        _writer_head(cid, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
+                     offset, left, right, n_m, 0, 0, GQA, WALK, CONSUMERS,
+                     BLOCK_M, D, ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT, STORE_FIRST,
+                     PERSIST)
+
+
+@gluon.jit
+def _heads_of(desc_dq, heads_kv, GQA: gl.constexpr, DQ_LAYOUT: gl.constexpr):
+    """Batch x KV heads of the call, from the dQ accumulator's descriptor: [B * Hq, ...]
+    in fragment order (DQ_LAYOUT 2), else [B, Hq, ...]."""
+    if DQ_LAYOUT == 2:
+        return desc_dq.shape[0] // GQA
+    return desc_dq.shape[0] * heads_kv
+
+
+@gluon.jit
+def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
+                 seq_k, offset, left, right, n_m, bhk, cnt_in, GQA: gl.constexpr,
+                 WALK: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 D: gl.constexpr, ORDER: gl.constexpr, MASK_LEFT: gl.constexpr,
+                 MASK_RIGHT: gl.constexpr, DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                 STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr):
+    """The dQ writer's turns for (batch x KV head) ``bhk``, its ring counter at ``cnt_in``
+    (returned advanced)."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # The dQ columns of one staging buffer, from the accumulator descriptor's box: rows
     # [1, 1, BLOCK_M, N], column groups [1, 1, N / 8, BLOCK_M, 8] or fragments
@@ -329,13 +433,17 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
     DQ_COLS: gl.constexpr = D // CONSUMERS
     CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
     pid_n = _key_tile(ORDER)
-    bhk = gl.program_id(1)
+    if not PERSIST:  # (read here: the one-head form keeps its instructions in order)
+        bhk = gl.program_id(1)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     heads_q = heads_kv * GQA
     lo, full_lo, full_hi, hi = _kv_range(pid_n * BLOCK_N, seq_q, -offset, right, left, BLOCK_N,
                                          BLOCK_M, MASK_RIGHT, MASK_LEFT)
-    cnt = 0
+    if PERSIST:
+        cnt = cnt_in
+    else:
+        cnt = 0
     FLAT: gl.constexpr = GQA > 1 and WALK == 1
     for g0 in range(1 if FLAT else GQA):
         g = g0
@@ -400,6 +508,7 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                     _bulk_writes_done()
             gl.atomic_xchg(sem, turn + 1, sem="release")
             cnt += 1
+    return cnt
 
 
 @gluon.jit
@@ -439,8 +548,8 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
 
 @gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                  lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready,
-                  ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
+                  lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
+                  ds_ready, ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
                   sm_scale, qk_scale, cap_scale, cap_log2,
@@ -448,7 +557,50 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
-                  STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr, KV_REGS: gl.constexpr):
+                  STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr, KV_REGS: gl.constexpr,
+                  PERSIST: gl.constexpr):
+    """Consumer ``cid``: its 64 keys of the key tile against each query tile of one
+    (batch x KV head), the program's, or with PERSIST of every G-th in turn."""
+    if PERSIST:
+        cnt = gl.to_tensor(0)
+        j = gl.to_tensor(0)
+        for bhk in range(gl.program_id(1), _heads_of(desc_dq, heads_kv, GQA, DQ_LAYOUT),
+                         gl.num_programs(1)):
+            cnt = _consumer_head(
+                cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                kv_ready, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
+                dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV, stride_dkb, stride_dkh,
+                stride_dkn, stride_dvb, stride_dvh, stride_dvn, heads_kv, seq_q, seq_k, offset,
+                left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2, bhk, cnt, j, GQA,
+                WALK, CONSUMERS, BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST)
+            j += 1
+    else:
+        _consumer_head(
+            cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+            kv_ready, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
+            dq_empty, LSE, Delta, desc_dq, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+            stride_dvb, stride_dvh, stride_dvn, heads_kv, seq_q, seq_k, offset, left, right,
+            n_m, sm_scale, qk_scale, cap_scale, cap_log2, 0, 0, 0, GQA, WALK,
+            CONSUMERS, BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+            DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST)
+
+
+@gluon.jit
+def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                   lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full,
+                   do_empty, ds_ready, ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
+                   sm_scale, qk_scale, cap_scale, cap_log2, bhk, cnt_in, j,
+                   GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr,
+                   DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                   KV_REGS: gl.constexpr, PERSIST: gl.constexpr):
+    """Consumer ``cid``'s work on (batch x KV head) ``bhk``, its ``j``-th, the stage
+    counter at ``cnt_in`` (returned advanced); dK and dV stored at the end."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -464,7 +616,8 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     dtype: gl.constexpr = k_smem.dtype
 
     pid_n = _key_tile(ORDER)
-    bhk = gl.program_id(1)
+    if not PERSIST:  # (read here: the one-head form keeps its instructions in order)
+        bhk = gl.program_id(1)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     heads_q = heads_kv * GQA
@@ -506,7 +659,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     ds_buf = ds_smem.index(cid)
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(kv_ready, j & 1)
     if KV_REGS:
         # hopper_kv_regs (D=64): the consumer's K and V tiles (16 registers each) stay in
         # registers as the left operands of Sᵀ and dPᵀ, so those two products read only
@@ -520,7 +673,11 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
     else:
         k_a = k
         v_a = v
-    cnt = 0
+    if PERSIST:
+        cnt = cnt_in
+    else:
+        cnt = 0
+    cnt0 = cnt
     FLAT: gl.constexpr = GQA > 1 and WALK == 1
     for g0 in range(1 if FLAT else GQA):
         g = g0
@@ -612,7 +769,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                 dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 mbarrier.arrive(do_empty.index(buf), count=1)
-                if cnt > 0:
+                if cnt > cnt0:
                     _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
                               dq_full, dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS,
                               DQ_RING, dq_layout, DQ_LAYOUT)
@@ -692,11 +849,13 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                                                             desc_dq.layout))
             cnt += 1
     if DEFER:
-        if cnt > 0:
+        if cnt > cnt0:
             _dq_stage(cnt - 1, cid, ds_smem, k_smem, dq_smem, ds_ready, ds_free, dq_full,
                       dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout,
                       DQ_LAYOUT)
     tma.store_wait(0)
+    if PERSIST:
+        mbarrier.arrive(kv_empty, count=1)  # K and V are free for the next head's
 
     rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
     dq_cols = gl.arange(0, D, layout=col_a)
@@ -708,6 +867,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
              dk.to(dtype), mask=ok)
     gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + rows64 * stride_dvn + dq_cols[None, :],
              dv.to(dtype), mask=ok)
+    return cnt
 
 
 @gluon.jit
@@ -721,7 +881,7 @@ def _attn_bwd_hopper_kernel(
     ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
-    KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr,
+    KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -776,6 +936,11 @@ def _attn_bwd_hopper_kernel(
     do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    if PERSIST:  # the consumers release K and V for the next head's (persistent_heads)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=CONSUMERS)
+    else:
+        kv_empty = kv_ready  # unused
     for i in gl.static_range(STAGES):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(do_full.index(i), count=1)
@@ -792,104 +957,110 @@ def _attn_bwd_hopper_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready,
+                                 delta_smem, kv_ready, kv_empty,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                                 PERSIST)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready,
+                                 delta_smem, kv_ready, kv_empty,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                                 PERSIST)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
-                                 kv_ready, q_full, q_empty, do_full, do_empty,
+                                 kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
-                                 MASK_RIGHT, STAGE_LSE)),
+                                 MASK_RIGHT, STAGE_LSE, PERSIST)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST)),
+                                  STORE_FIRST, PERSIST)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST)),
+                                  STORE_FIRST, PERSIST)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
                 (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready,
+                                 delta_smem, kv_ready, kv_empty,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                                  stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                                 DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                                 PERSIST)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
-                                 kv_ready, q_full, q_empty, do_full, do_empty,
+                                 kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
-                                 MASK_RIGHT, STAGE_LSE)),
+                                 MASK_RIGHT, STAGE_LSE, PERSIST)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST)),
+                                  STORE_FIRST, PERSIST)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                              k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_full, q_empty, do_full, do_empty,
+                             kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                             STAGE_LSE)),
+                             STAGE_LSE, PERSIST)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready,
+                             delta_smem, kv_ready, kv_empty,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                             PERSIST)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready,
+                             delta_smem, kv_ready, kv_empty,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                             PERSIST)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                              k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_full, q_empty, do_full, do_empty,
+                             kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                             STAGE_LSE)),
+                             STAGE_LSE, PERSIST)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready,
+                             delta_smem, kv_ready, kv_empty,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                              stride_dvn, heads_kv, seq_q, seq_k, offset, left, right, n_m,
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS)),
+                             DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
+                             PERSIST)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -1145,8 +1316,12 @@ class HopperBwdLaunch:
         # of the whole call's gradients: SplitHopperBwdLaunch).
         dq0, dk0, dv0 = grads or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk_strides, dv_strides = [*dk0.stride()[:3]], [*dv0.stride()[:3]]
+        # hopper_persist (no mask): G programs per key tile, each walking heads g, g + G, ...
+        persist = bool(c.hopper_persist) and not (mask_left or mask_right)
+        slots = persistent_heads(n_n, b * hk, _sm_count(q.device.index or 0)) if persist \
+            else b * hk
         self.main = BoundLaunch(
-            _attn_bwd_hopper_kernel, (n_n, b * hk),
+            _attn_bwd_hopper_kernel, (n_n, slots),
             [None] * 10 + [*dk_strides, *dv_strides, hk, sq, sk, left, right, n_m, sm_scale,
                            qk_scale, cap_scale, cap_log2],
             dict(GQA=hq // hk, WALK=c.hopper_walk, CONSUMERS=consumers, BLOCK_M=m,
@@ -1156,7 +1331,7 @@ class HopperBwdLaunch:
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
                  STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
                  KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
-                 num_warps=4), 10)
+                 PERSIST=persist, num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         if self.frag:
             self.finish = BoundLaunch(
@@ -1215,6 +1390,15 @@ class HopperBwdLaunch:
         bufs = self.buffers(q, k, v, lse)
         self.run(do, q, k, v, o, bufs)
         return bufs[0], bufs[1], bufs[2]
+
+
+def persistent_heads(n_n: int, heads: int, sms: int) -> int:
+    """G, the programs per key tile of a ``hopper_persist`` launch over ``heads`` (batch x
+    KV heads) of ``n_n`` key tiles each: as many whole heads as the SMs hold at once, so
+    that every key tile of the G heads a round walks is resident together (the cyclic
+    fixed order waits across a head's key tiles), at least one and at most ``heads``.
+    Each program walks heads g, g + G, ...: a head's dependencies lie in its own round."""
+    return max(1, min(heads, sms // n_n))
 
 
 def split_plan(b: int, hq: int, hk: int, parts: int) -> list[tuple[slice, slice, slice]]:

@@ -212,6 +212,12 @@ class BwdConfig:
                              "bit-identical to 1's (one launch of each kernel)",
                              variants=_BH)
 
+    hopper_persist: int = knob(0, (0, 1), "Hopper, no mask, hopper_split=1: 1 launches "
+                               "as many programs per key tile as the SMs hold whole heads, "
+                               "each walking its heads in turn and loading the next head's "
+                               "first Q and dO while it finishes the last (0: one program per "
+                               "key tile and head)", variants=_BH)
+
     kind = "bwd"
 
 
@@ -639,6 +645,15 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_groups=1 and hopper_dq_frag=1 are two layouts of one dQ "
             "staging buffer; set one of them")
+    if c.hopper_persist and (p.causal or tuple(p.window) != (-1, -1)):
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_persist=1 walks heads of whole key tiles, for calls without "
+            "a causal mask or window (their key tiles' work differs: one program per key "
+            "tile and head balances it); use 0")
+    if c.hopper_persist and c.hopper_split > 1:
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_persist=1 holds every SM for the whole call, so a second "
+            "half (hopper_split=2) would wait for it; set one of them")
     _check_smem("bwd hopper", smem_bwd_hopper(c, p.head_dim, fixed), smem_bytes)
 
 

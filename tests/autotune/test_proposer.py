@@ -702,3 +702,29 @@ def test_polishing_takes_turns_with_the_other_kernel_familys_best(
     assert portable in measured  # seeded: the portable kernel's own heuristic
     assert best in measured
     assert config_to_dict(r.config) == best
+
+
+def test_short_unmasked_backwards_are_seeded_with_a_persistent_grid(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hopper_persist`` (one program per key tile walking several heads), where it ran
+    faster: unmasked calls of at most 1k keys, in one launch (no split). Both as the last
+    prior point and as a move on a stored winner; never for a causal or windowed call or
+    a longer one."""
+    from dataclasses import replace
+
+    from flashtune.autotune.priors import PERSIST_MAX_KEYS, prior_points, winner_points
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=4, heads_q=8, heads_kv=8, seqlen_q=PERSIST_MAX_KEYS,
+                seqlen_k=PERSIST_MAX_KEYS, head_dim=128, deterministic=True)
+    base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
+    assert prior_points("bwd", p, "9.0")[-1] == {**base, "hopper_dq_store_first": 1,
+                                                 "hopper_persist": 1}
+    won = {**base, "hopper_split": 2}
+    assert winner_points("bwd", won, p, "9.0")[-1] == {**won, "hopper_dq_store_first": 0,
+                                                       "hopper_persist": 1, "hopper_split": 1}
+    for other in (replace(p, causal=True), replace(p, window=(100, 0)),
+                  replace(p, seqlen_q=PERSIST_MAX_KEYS + 1, seqlen_k=PERSIST_MAX_KEYS + 1)):
+        assert not any(pt.get("hopper_persist") for pt in prior_points("bwd", other, "9.0"))
+        assert not any(pt.get("hopper_persist") for pt in winner_points("bwd", won, other,
+                                                                        "9.0"))

@@ -306,6 +306,54 @@ def _store_first(seed: int) -> list[str]:
     return failures
 
 
+def _against_base(p, layout: str, gen, base, cand, label: str, base_label: str) -> list[str]:
+    """``cand`` against the reference, then its gradients against ``base``'s on the same
+    inputs: twice through ``flash_attention`` and once as the tuner times it
+    (``bwd_steps``, buffers made once, launched twice), bit for bit in the fixed order,
+    within rounding in the free one."""
+    import torch
+
+    from flashtune.kernels.attention import flash_attention
+    from flashtune.kernels.attn_bwd import bwd_steps
+    from flashtune.kernels.attn_fwd import attn_fwd
+    from flashtune.kernels.config import default_fwd
+    from flashtune.problem import default_scale
+
+    from .helpers import check_case, make_qkv
+
+    failures = []
+    try:
+        check_case(p, "cuda", bwd=cand, layout=layout, gen=gen, deterministic=p.deterministic)
+    except AssertionError as e:
+        failures.append(f"{p} {label}: {e}")
+    q, k, v, do = make_qkv(p, "cuda", layout, gen)
+    runs = []
+    for cfg in (base, cand, cand):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
+                              config=cfg, deterministic=p.deterministic)
+        runs.append(torch.autograd.grad(out, (qg, kg, vg), do))
+    kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
+              softcap=0.0)
+    o, lse = attn_fwd(q, k, v, config=default_fwd(p), **kw)
+    grads, steps = bwd_steps(do, q, k, v, o, lse, config=cand,
+                             deterministic=p.deterministic, **kw)
+    for _ in range(2):
+        for _, launch in steps:
+            launch()
+    torch.cuda.synchronize()
+    runs.append(grads)
+    for i, run in ((1, label), (2, f"{label} again"), (3, f"{label}, as the tuner times it")):
+        for name, a, b in zip("dq dk dv".split(), runs[i], runs[0], strict=True):
+            same = torch.equal(a, b) if p.deterministic else torch.allclose(
+                a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+            if not same:
+                err = (a.float() - b.float()).abs().max().item()
+                failures.append(f"{p} {layout} {run}: {name} differs from {base_label} "
+                                f"(max abs difference {err:.3g})")
+    return failures
+
+
 def _split(seed: int) -> list[str]:
     """``hopper_split=2``: the call as two halves, the second on a side stream - of the
     batch (three sequences: one and two), else of the KV heads (one sequence, GQA, odd
@@ -317,14 +365,9 @@ def _split(seed: int) -> list[str]:
     And what the tuner times (``bwd_steps``, buffers made once) is the same."""
     import torch
 
-    from flashtune.kernels.attention import flash_attention
-    from flashtune.kernels.attn_bwd import bwd_steps
     from flashtune.kernels.attn_bwd_hopper import split_plan
-    from flashtune.kernels.attn_fwd import attn_fwd
-    from flashtune.kernels.config import BWD_HOPPER, default_bwd, default_fwd
-    from flashtune.problem import Problem, default_scale
-
-    from .helpers import check_case, make_qkv
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
 
     gen = torch.Generator().manual_seed(seed)
     failures = []
@@ -339,36 +382,41 @@ def _split(seed: int) -> list[str]:
         split = dataclasses.replace(whole, hopper_split=2)
         if len(split_plan(p.batch, p.heads_q, p.heads_kv, 2)) != 2:
             failures.append(f"{p}: not split")
-        try:
-            check_case(p, "cuda", bwd=split, layout=layout, gen=gen,
-                       deterministic=p.deterministic)
-        except AssertionError as e:
-            failures.append(f"{p} split: {e}")
-        q, k, v, do = make_qkv(p, "cuda", layout, gen)
-        runs = []
-        for cfg in (whole, split, split):
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
-                                  config=cfg, deterministic=p.deterministic)
-            runs.append(torch.autograd.grad(out, (qg, kg, vg), do))
-        kw = dict(causal=p.causal, sm_scale=default_scale(p.head_dim), window=p.window,
-                  softcap=0.0)
-        o, lse = attn_fwd(q, k, v, config=default_fwd(p), **kw)
-        grads, steps = bwd_steps(do, q, k, v, o, lse, config=split,
-                                 deterministic=p.deterministic, **kw)
-        for _ in range(2):
-            for _, launch in steps:
-                launch()
-        torch.cuda.synchronize()
-        runs.append(grads)
-        for i, label in ((1, "split"), (2, "split again"), (3, "split, as the tuner times it")):
-            for name, a, b in zip("dq dk dv".split(), runs[i], runs[0], strict=True):
-                same = torch.equal(a, b) if p.deterministic else torch.allclose(
-                    a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
-                if not same:
-                    err = (a.float() - b.float()).abs().max().item()
-                    failures.append(f"{p} {layout} {label}: {name} differs from the whole "
-                                    f"call's (max abs difference {err:.3g})")
+        failures += _against_base(p, layout, gen, whole, split, "split", "the whole call's")
+    return failures
+
+
+def _persist(seed: int) -> list[str]:
+    """``hopper_persist=1`` (no mask): G programs per key tile, each walking heads g,
+    g + G, ...; where the call has more heads than G, programs walk two or more, taking
+    K and V over from the last head's consumers. Against the reference; in the fixed
+    order the gradients are the one-program-per-head launch's bits, call after call and
+    as the tuner times it (buffers made once), in the cyclic order (key tiles waiting for
+    each other, 1k keys) and the ascending one (past half the SMs in key tiles, 8.5k); the
+    free order within rounding. GQA, odd lengths, both layouts."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import persistent_heads
+    from flashtune.kernels.attn_fwd_hopper import _sm_count
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    sms = _sm_count(torch.cuda.current_device())
+    for p, layout in (
+            (Problem(5, 4, 4, 1024, 1024, 128, "bf16", False, deterministic=True), "bshd"),
+            (Problem(4, 16, 4, 1000, 1100, 64, "fp16", False, deterministic=True), "bhsd"),
+            (Problem(1, 2, 2, 8500, 8500, 64, "bf16", False, deterministic=True), "bhsd"),
+            (Problem(2, 4, 4, 4100, 4100, 64, "bf16", False, deterministic=False), "bshd")):
+        one = dataclasses.replace(default_bwd(p, BWD_HOPPER), hopper_split=1)
+        pers = dataclasses.replace(one, hopper_persist=1)
+        n_n = -(-p.seqlen_k // one.hopper_block_n)
+        heads = p.batch * p.heads_kv
+        if persistent_heads(n_n, heads, sms) >= heads:
+            failures.append(f"{p}: every program walks one head (G >= {heads})")
+        failures += _against_base(p, layout, gen, one, pers, "persist",
+                                  "one program per head's")
     return failures
 
 
@@ -427,7 +475,7 @@ def needs_hopper() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
-                                   "_store_first", "_split"])
+                                   "_store_first", "_split", "_persist"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

@@ -198,6 +198,7 @@ def test_active_fields_and_round_trip() -> None:
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
             "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
+            "hopper_persist",
             "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
@@ -746,3 +747,25 @@ def test_unvisited_query_tiles_see_no_key(blocks: tuple[int, int]) -> None:
             assert runs == [] or mask_left, (sq, sk, left, right, runs)
         seen_some |= bool(runs)
     assert seen_some
+
+
+def test_persist_is_an_unmasked_one_launch_knob(on_hopper: None) -> None:
+    """``hopper_persist=1`` serves calls without a mask, in one launch: a causal or
+    windowed call, or two halves, get the reason; G (the programs per key tile) holds
+    whole heads on the SMs, at least one, at most the call's."""
+    from flashtune.kernels.attn_bwd_hopper import persistent_heads
+
+    pers = dataclasses.replace(HOP, hopper_persist=1)
+    unmasked = dataclasses.replace(P, causal=False)
+    check_bwd(pers, unmasked)
+    check_bwd(pers, dataclasses.replace(unmasked, deterministic=True))
+    for problem, words in ((P, "without a causal mask or window"),
+                           (dataclasses.replace(unmasked, window=(64, 64)), "or window"),
+                           (unmasked, "set one of them")):
+        cfg = dataclasses.replace(pers, hopper_split=2) if problem is unmasked else pers
+        with pytest.raises(InfeasibleConfigError, match=words):
+            check_bwd(cfg, problem)
+    assert persistent_heads(4, 512, 132) == 33
+    assert persistent_heads(8, 256, 132) == 16
+    assert persistent_heads(8, 3, 132) == 3
+    assert persistent_heads(200, 16, 132) == 1
