@@ -173,10 +173,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="knob=value (repeatable)")
     ap.add_argument("--part", default="1/1")
     ap.add_argument("--min-bh", type=int, default=1, help="least batch x KV heads")
-    ap.add_argument("--masked", action="store_true",
-                    help="only entries of causal or windowed problems")
-    ap.add_argument("--unmasked", action="store_true",
-                    help="only calls without a causal mask or window")
+    mask = ap.add_mutually_exclusive_group()
+    mask.add_argument("--masked", action="store_true",
+                      help="only entries of causal or windowed problems")
+    mask.add_argument("--unmasked", action="store_true",
+                      help="only calls without a causal mask or window")
     ap.add_argument("--max-keys", type=int, default=0, help="only calls of at most this many "
                     "keys (0: any)")
     ap.add_argument("--rounds", type=int, default=5)

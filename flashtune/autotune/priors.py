@@ -174,19 +174,21 @@ def _hopper_split(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_split": 2} if p.batch * p.heads_kv >= 2 else {}
 
 
-# The longest keys at which hopper_persist ran faster than both split settings (H200,
-# session 55: 512 and 1k faster, 2k and 4k 3-5% slower; see _hopper_persist).
+# The longest keys at which hopper_persist ran at least as fast as the shipped configs
+# (H200, session 55: 512 keys faster, 1k even or slower, 2k and 4k 3-5% slower; see
+# _hopper_persist): the seed is a guess to measure, so 1k is still tried.
 PERSIST_MAX_KEYS = 1024
 
 
 def _hopper_persist(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """A persistent grid over heads (``hopper_persist``), which loads each next head's
     first Q and dO while the last head finishes, for unmasked calls of at most
-    PERSIST_MAX_KEYS keys. With the shipped configs at one launch (H200, session 55,
-    ``bwd_shipped_variants.py``) it ran 32x16x512x128 1.05x and 16x16x1024x128 1.035x as
-    fast in the fixed order (1.03x and 1.01x against the shipped two halves), and from 2k
-    keys 0.95-0.97x: every program then spills more, and 128 of 132 SMs hold whole
-    heads."""
+    PERSIST_MAX_KEYS keys. Beside the shipped configs in one interleaved loop (H200,
+    session 55, ``retime_knob.py``, the tuner's gate and timing) it ran 32x16x512x128
+    1.019x as fast in the fixed order and 1.025x in the free one, 16x32x1024x64 free
+    1.025x, 16x16x1024x128 1.002x and 0.979x; with the shipped configs otherwise unchanged
+    (``bwd_shipped_variants.py``) 2k keys ran 0.95x: every program then spills more, and
+    128 of 132 SMs hold whole heads."""
     if p.causal or tuple(p.window) != (-1, -1) or p.seqlen_k > PERSIST_MAX_KEYS:
         return {}
     return {"hopper_persist": 1, "hopper_split": 1}
