@@ -4,11 +4,11 @@ tuner would measure the pair, and the winners written back into the shipped laye
 On the GPU (``--set``; ``--part i/n`` takes every n-th entry, for one process per GPU):
 for each shipped entry of this device's name whose config the changed knobs apply to
 (the kernel variant that has them, ``--min-bh`` batch x KV heads, ``--masked``: causal or
-windowed problems only, ``--unmasked`` the others, ``--max-keys``), the candidate goes
-through the tuner's measurement (first launch, the gate against the fp32 reference, a
-timing), then the entry's config and the candidate are timed against each other in one
-interleaved loop (``measure.retime``, the house protocol: L2 flushed before every call,
-clocks meeting both alike). One JSON row per entry.
+windowed problems only, ``--unmasked`` the others, ``--max-keys``, ``--entries``: indices
+into the layer), the candidate goes through the tuner's measurement (first launch, the
+gate against the fp32 reference, a timing), then the entry's config and the candidate
+are timed against each other in one interleaved loop (``measure.retime``, the house
+protocol: L2 flushed before every call, clocks meeting both alike). One JSON row per entry.
 
     python3 benchmarks/retime_knob.py --set hopper_split=2 --out retime.json
 
@@ -48,7 +48,8 @@ def knob_values(items: list[str]) -> dict[str, int]:
 
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
                    rounds: int, out_path: str, masked: bool = False,
-                   unmasked: bool = False, max_keys: int = 0) -> None:
+                   unmasked: bool = False, max_keys: int = 0,
+                   only: set[int] | None = None) -> None:
     import torch
 
     from flashtune.autotune.measure import Bench, measure, retime
@@ -61,7 +62,8 @@ def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
     sw = software_info().for_direction("bwd")
     entries = json.load(open(SHIPPED))["entries"]
     mine = [(i, e) for i, e in enumerate(entries)
-            if e["direction"] == "bwd" and e["device"]["name"] == name]
+            if e["direction"] == "bwd" and e["device"]["name"] == name
+            and (only is None or i in only)]
     i_part, n_part = part
     mine = mine[i_part - 1::n_part]
     out: dict[str, Any] = {"device": name, "software": dataclasses.asdict(sw), "set": knobs,
@@ -180,6 +182,8 @@ def main() -> None:
                       help="only calls without a causal mask or window")
     ap.add_argument("--max-keys", type=int, default=0, help="only calls of at most this many "
                     "keys (0: any)")
+    ap.add_argument("--entries", default=None, help="only these indices into the shipped "
+                    "layer, e.g. 27-56,58 (default: all of this GPU's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -191,8 +195,14 @@ def main() -> None:
     if not args.set or not args.out:
         ap.error("--set and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
+    only = None
+    if args.entries:
+        only = set()
+        for part in args.entries.split(","):
+            lo, _, hi = part.partition("-")
+            only.update(range(int(lo), int(hi or lo) + 1))
     retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
-                   args.masked, args.unmasked, args.max_keys)
+                   args.masked, args.unmasked, args.max_keys, only)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ see what each part costs at head dim 128. Their gradients are wrong by design: n
   Check an ablated copy's sm_90 SASS before reading a time off it (``bwd_spills.py
   --module``, then ptxas and nvdisasm): a guard the compiler can fold takes the product
   with it (see ``_NEVER``).
+- ``nodkdv``: dK and dV not stored at the end of a head (computed and waited for): the
+  epilogue's stores from registers.
 - ``nodq``: no dQ at all (no product, staging, hand-off or writer work; dS still goes to
   shared memory and the fixed order's consumers still meet on it): dQ's whole cost.
 
@@ -128,8 +130,25 @@ def nostage(t: str) -> str:
     return t
 
 
+def nodkdv(t: str) -> str:
+    """dK and dV computed and waited for but not stored at the end of a head (the register
+    stores, ``hopper_dkdv_tma=0``, sit behind ``_NEVER``): what those stores cost."""
+    for what, name in (("nodkdv/dk", "DK"), ("nodkdv/dv", "DV")):
+        at = t.index(f"gl.store({name} + b64 * ")
+        a = t.rindex("\n", 0, at) + 1
+        b = t.index("mask=ok)\n", at) + len("mask=ok)\n")
+        block = t[a:b]
+        if t.count(block) != 1:
+            raise SystemExit(f"{what}: expected the store once")
+        sp = " " * (at - a)
+        guarded = f"{sp}if {_NEVER}:\n" + "".join(f"    {line}\n" for line in
+                                                  block.splitlines())
+        t = t[:a] + guarded + t[b:]
+    return t
+
+
 ABLATIONS = {"noexp": noexp, "noreduce": noreduce, "noturn": noturn, "nodq": nodq,
-             "nostage": nostage}
+             "nostage": nostage, "nodkdv": nodkdv}
 
 
 def main() -> None:

@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="indices into CASES, comma-separated")
     ap.add_argument("--persist", action="store_true",
                     help="CASES with hopper_persist=1 (unmasked cases only)")
+    ap.add_argument("--dkdv-tma", action="store_true",
+                    help="CASES with hopper_dkdv_tma=1 (dK and dV stored with TMA)")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -132,7 +134,8 @@ def main() -> None:
                             hopper_dq_groups=int(args.groups and det),
                             hopper_dq_frag=int(args.frag),
                             hopper_dq_store_first=args.store_first if det else 0,
-                            hopper_persist=int(args.persist and not causal))
+                            hopper_persist=int(args.persist and not causal),
+                            hopper_dkdv_tma=int(args.dkdv_tma))
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
@@ -147,7 +150,8 @@ def main() -> None:
             print(f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} m{m} s{st} o{stagger} "
                   f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}"
                   f"{' frag' if args.frag else ''}"
-                  f"{f' store_first={args.store_first}' if args.store_first and det else ''}: "
+                  f"{f' store_first={args.store_first}' if args.store_first and det else ''}"
+                  f"{' dkdv_tma' if args.dkdv_tma else ''}: "
                   f"{ptxas_report(ptx)}", flush=True)
 
 

@@ -194,6 +194,15 @@ def _hopper_persist(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_persist": 1, "hopper_split": 1}
 
 
+def _hopper_dkdv_tma(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """dK and dV stored through shared memory with TMA (``hopper_dkdv_tma``) instead of
+    from registers. Beside the shipped configs (H200, session 56,
+    ``bwd_shipped_variants.py``) it ran the D=128 rows 1.00-1.12x as fast (512 keys 1.12x,
+    2k 1.07x, 16k 1.00-1.02x) in both orders; at D=64 0.94-1.05x, so it is tried there
+    too, not assumed."""
+    return {"hopper_dkdv_tma": 1}
+
+
 def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """K and V back in registers (the default at head dim 64) beside 128-row tiles, in the
     fixed dQ order only (in the free order that pair ran 0.76-0.95x; see _hopper_rows)."""
@@ -216,6 +225,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dkdv_tma)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist)),
     ],
 }
@@ -225,7 +236,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 # winner_points): the architecture's newest knobs, which winners tuned before they landed
 # never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {
-    9: (_hopper_store_first, _hopper_split, _hopper_persist)}
+    9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_persist)}
 
 
 def _major(capability: str) -> int | None:

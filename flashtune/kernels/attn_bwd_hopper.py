@@ -41,6 +41,13 @@ them (one program per SM); on fewer SMs the fixed order would wait for programs 
 cannot start. The one-head-per-program form is the same code with one head, its
 instructions those of the kernel before the knob.
 
+**How dK and dV are stored** (``hopper_dkdv_tma``): from the consumers' registers, each
+thread its 4-byte pieces of 64 rows, or each consumer's rows cast into its own K and V
+tiles in shared memory (the products that read them are done; in the fixed order the two
+consumers first meet, since each one's dQ columns read both K tiles) and stored with TMA,
+as FA3 does. Same values either way; a persistent program releases K and V for the next
+head once the stores have read them.
+
 **How dQ is staged** (``hopper_dq_frag``): in rows (or the fixed order's column groups),
 the layout of the accumulator in global memory, or in the order the wgmma leaves the
 values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
@@ -84,7 +91,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtune.kernels._bound import BoundLaunch, descriptor_like, template
 from flashtune.kernels._bwd_common import _attn_bwd_dq_finish, _attn_bwd_preprocess
 from flashtune.kernels._masking import inner_range_host
-from flashtune.kernels.attn_fwd_hopper import ROWS_PER_WG, _descriptor, _kv_range, _sm_count, _tanh
+from flashtune.kernels.attn_fwd_hopper import (
+    ROWS_PER_WG,
+    _descriptor,
+    _kv_range,
+    _sm_count,
+    _tanh,
+    tma_describable,
+)
 from flashtune.kernels.config import (
     DEFAULT_SMEM_BYTES,
     BwdConfig,
@@ -548,7 +562,8 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
 
 @gluon.jit
 def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                  lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
+                  lse_smem, delta_smem, kv_ready, kv_empty, kv_done, q_full, q_empty, do_full,
+                  do_empty,
                   ds_ready, ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   heads_kv, seq_q, seq_k, offset, left, right, n_m,
@@ -558,7 +573,7 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr, DS_BUFS: gl.constexpr,
                   STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr, KV_REGS: gl.constexpr,
-                  PERSIST: gl.constexpr):
+                  PERSIST: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Consumer ``cid``: its 64 keys of the key tile against each query tile of one
     (batch x KV head), the program's, or with PERSIST of every G-th in turn."""
     if PERSIST:
@@ -568,27 +583,28 @@ def _bwd_consumer(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, d
                          gl.num_programs(1)):
             cnt = _consumer_head(
                 cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                kv_ready, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
+                kv_ready, kv_empty, kv_done, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
                 dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV, stride_dkb, stride_dkh,
                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, heads_kv, seq_q, seq_k, offset,
                 left, right, n_m, sm_scale, qk_scale, cap_scale, cap_log2, bhk, cnt, j, GQA,
                 WALK, CONSUMERS, BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST)
+                DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST,
+                DKDV_TMA)
             j += 1
     else:
         _consumer_head(
             cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-            kv_ready, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
-            dq_empty, LSE, Delta, desc_dq, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+            kv_ready, kv_empty, kv_done, q_full, q_empty, do_full, do_empty, ds_ready, ds_free,
+            dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV, stride_dkb, stride_dkh, stride_dkn,
             stride_dvb, stride_dvh, stride_dvn, heads_kv, seq_q, seq_k, offset, left, right,
             n_m, sm_scale, qk_scale, cap_scale, cap_log2, 0, 0, 0, GQA, WALK,
             CONSUMERS, BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-            DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST)
+            DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS, PERSIST, DKDV_TMA)
 
 
 @gluon.jit
 def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                   lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty, do_full,
+                   lse_smem, delta_smem, kv_ready, kv_empty, kv_done, q_full, q_empty, do_full,
                    do_empty, ds_ready, ds_free, dq_full, dq_empty, LSE, Delta, desc_dq, DK, DV,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                    heads_kv, seq_q, seq_k, offset, left, right, n_m,
@@ -598,9 +614,11 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_RING: gl.constexpr,
                    DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
-                   KV_REGS: gl.constexpr, PERSIST: gl.constexpr):
+                   KV_REGS: gl.constexpr, PERSIST: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Consumer ``cid``'s work on (batch x KV head) ``bhk``, its ``j``-th, the stage
-    counter at ``cnt_in`` (returned advanced); dK and dV stored at the end."""
+    counter at ``cnt_in`` (returned advanced); dK and dV stored at the end: from registers,
+    or with DKDV_TMA through this consumer's K and V tiles in shared memory (TMA stores;
+    ``DK`` and ``DV`` are then tensor descriptors)."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # Sᵀ / dPᵀ: [64 keys, BLOCK_M queries]; dK, dV and dQ tiles: [64, D].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -854,20 +872,55 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
                       dq_empty, BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, DQ_RING, dq_layout,
                       DQ_LAYOUT)
     tma.store_wait(0)
-    if PERSIST:
-        mbarrier.arrive(kv_empty, count=1)  # K and V are free for the next head's
+    if DKDV_TMA:
+        _store_dkdv(cid, k_smem, v_smem, kv_empty, kv_done, DK, DV, dk, dv, b, hk, n0, j,
+                    CONSUMERS, D, DETERMINISTIC, PERSIST)
+    else:
+        if PERSIST:
+            mbarrier.arrive(kv_empty, count=1)  # K and V are free for the next head's
 
-    rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
-    dq_cols = gl.arange(0, D, layout=col_a)
-    ok = (rows_k < seq_k)[:, None]
-    rows64 = rows_k.to(gl.int64)[:, None]
-    b64 = b.to(gl.int64)
-    hk64 = hk.to(gl.int64)
-    gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + rows64 * stride_dkn + dq_cols[None, :],
-             dk.to(dtype), mask=ok)
-    gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + rows64 * stride_dvn + dq_cols[None, :],
-             dv.to(dtype), mask=ok)
+        rows_k = n0 + cid * 64 + gl.arange(0, 64, layout=row_a)
+        dq_cols = gl.arange(0, D, layout=col_a)
+        ok = (rows_k < seq_k)[:, None]
+        rows64 = rows_k.to(gl.int64)[:, None]
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + rows64 * stride_dkn
+                 + dq_cols[None, :], dk.to(dtype), mask=ok)
+        gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + rows64 * stride_dvn
+                 + dq_cols[None, :], dv.to(dtype), mask=ok)
     return cnt
+
+
+@gluon.jit
+def _store_dkdv(cid: gl.constexpr, k_smem, v_smem, kv_empty, kv_done, desc_dk, desc_dv, dk, dv,
+                b, hk, n0, j, CONSUMERS: gl.constexpr, D: gl.constexpr,
+                DETERMINISTIC: gl.constexpr, PERSIST: gl.constexpr):
+    """``hopper_dkdv_tma``: consumer ``cid``'s dK and dV rows, cast, staged in its own K and V
+    tiles (whose products are all done) and stored with TMA, as FA3 does; rows past the
+    keys' end are clipped by the descriptors. The register stores (each thread's 4-byte
+    pieces of 64 rows, and their 64-bit addresses) took about a fifth of a 512-key call at
+    D=128 (H200, session 56: ``benchmarks/experiments/bwd_ablate.py``'s ``nodkdv``)."""
+    dtype: gl.constexpr = k_smem.dtype
+    v_smem.index(cid).store(dv.to(dtype))  # V is read by this consumer's products only
+    if DETERMINISTIC and CONSUMERS == 2:
+        # Each consumer's dQ columns were computed from both K tiles: meet before either
+        # is overwritten (the ``j``-th use of the barrier in a persistent program).
+        mbarrier.arrive(kv_done, count=1)
+        mbarrier.wait(kv_done, j & 1)
+    k_smem.index(cid).store(dk.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    row = n0 + cid * 64
+    tma.async_copy_shared_to_global(
+        desc_dk, [b, hk, row, 0], k_smem.index(cid)._reinterpret(dtype, [1, 1, 64, D],
+                                                                  desc_dk.layout))
+    tma.async_copy_shared_to_global(
+        desc_dv, [b, hk, row, 0], v_smem.index(cid)._reinterpret(dtype, [1, 1, 64, D],
+                                                                  desc_dv.layout))
+    tma.store_wait(0)  # the tiles are read: K and V may be loaded again (or the program end)
+    if PERSIST:
+        mbarrier.arrive(kv_empty, count=1)
 
 
 @gluon.jit
@@ -882,6 +935,7 @@ def _attn_bwd_hopper_kernel(
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
     KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -941,6 +995,13 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(kv_empty, count=CONSUMERS)
     else:
         kv_empty = kv_ready  # unused
+    if DKDV_TMA and DETERMINISTIC and CONSUMERS == 2:
+        # The consumers meet before dK overwrites their K tiles (each one's dQ columns read
+        # both K tiles in the fixed order).
+        kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_done, count=CONSUMERS)
+    else:
+        kv_done = kv_ready  # unused
     for i in gl.static_range(STAGES):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(do_full.index(i), count=1)
@@ -957,7 +1018,7 @@ def _attn_bwd_hopper_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready, kv_empty,
+                                 delta_smem, kv_ready, kv_empty, kv_done,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -965,9 +1026,9 @@ def _attn_bwd_hopper_kernel(
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                                 PERSIST)),
+                                 PERSIST, DKDV_TMA)),
                 (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready, kv_empty,
+                                 delta_smem, kv_ready, kv_empty, kv_done,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -975,7 +1036,7 @@ def _attn_bwd_hopper_kernel(
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                                 PERSIST)),
+                                 PERSIST, DKDV_TMA)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
@@ -994,7 +1055,7 @@ def _attn_bwd_hopper_kernel(
         else:
             gl.warp_specialize([
                 (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                                 delta_smem, kv_ready, kv_empty,
+                                 delta_smem, kv_ready, kv_empty, kv_done,
                                  q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                                  dq_empty, LSE, Delta, desc_dq, DK, DV,
                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -1002,7 +1063,7 @@ def _attn_bwd_hopper_kernel(
                                  sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS,
                                  BLOCK_M, D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                  DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                                 PERSIST)),
+                                 PERSIST, DKDV_TMA)),
                 (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                  k_smem, v_smem, lse_smem, delta_smem,
                                  kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
@@ -1023,7 +1084,7 @@ def _attn_bwd_hopper_kernel(
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
                              STAGE_LSE, PERSIST)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready, kv_empty,
+                             delta_smem, kv_ready, kv_empty, kv_done,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -1031,9 +1092,9 @@ def _attn_bwd_hopper_kernel(
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                             PERSIST)),
+                             PERSIST, DKDV_TMA)),
             (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready, kv_empty,
+                             delta_smem, kv_ready, kv_empty, kv_done,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -1041,7 +1102,7 @@ def _attn_bwd_hopper_kernel(
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                             PERSIST)),
+                             PERSIST, DKDV_TMA)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -1052,7 +1113,7 @@ def _attn_bwd_hopper_kernel(
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
                              STAGE_LSE, PERSIST)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                             delta_smem, kv_ready, kv_empty,
+                             delta_smem, kv_ready, kv_empty, kv_done,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
                              dq_empty, LSE, Delta, desc_dq, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -1060,7 +1121,7 @@ def _attn_bwd_hopper_kernel(
                              sm_scale, qk_scale, cap_scale, cap_log2, GQA, WALK, CONSUMERS, BLOCK_M,
                              D, STAGES, ORDER, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                              DETERMINISTIC, DQ_RING, DS_BUFS, STAGE_LSE, DQ_LAYOUT, KV_REGS,
-                             PERSIST)),
+                             PERSIST, DKDV_TMA)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -1316,6 +1377,13 @@ class HopperBwdLaunch:
         # of the whole call's gradients: SplitHopperBwdLaunch).
         dq0, dk0, dv0 = grads or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk_strides, dv_strides = [*dk0.stride()[:3]], [*dv0.stride()[:3]]
+        # hopper_dkdv_tma: dK and dV stored through descriptors over the gradients (their
+        # strides are the signature's: empty_like of k and v, or views of the whole call's
+        # gradients); where TMA cannot describe them, from registers (same values).
+        self.dkdv = None
+        if c.hopper_dkdv_tma and not tma_describable(dk0, dv0):
+            self.dkdv = (template(_descriptor(dk0, ROWS_PER_WG)),
+                         template(_descriptor(dv0, ROWS_PER_WG)))
         # hopper_persist (no mask): G programs per key tile, each walking heads g, g + G, ...
         persist = bool(c.hopper_persist) and not (mask_left or mask_right)
         slots = persistent_heads(n_n, b * hk, _sm_count(q.device.index or 0)) if persist \
@@ -1331,7 +1399,7 @@ class HopperBwdLaunch:
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
                  STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
                  KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
-                 PERSIST=persist, num_warps=4), 10)
+                 PERSIST=persist, DKDV_TMA=self.dkdv is not None, num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         if self.frag:
             self.finish = BoundLaunch(
@@ -1379,8 +1447,10 @@ class HopperBwdLaunch:
             sem.zero_()
         rows = ((descriptor_like(self.rows, lse), descriptor_like(self.rows, delta))
                 if self.rows is not None else (lse, delta))
+        grads = ((descriptor_like(self.dkdv[0], dk), descriptor_like(self.dkdv[1], dv))
+                 if self.dkdv is not None else (dk, dv))
         self.main(descriptor_like(tq, q), descriptor_like(tdo, do), descriptor_like(tk, k),
-                  descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), dk, dv, sem)
+                  descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), *grads, sem)
         self.finish(dq_acc, dq)
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

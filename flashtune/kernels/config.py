@@ -217,6 +217,9 @@ class BwdConfig:
                                "each walking its heads in turn and loading the next head's "
                                "first Q and dO while it finishes the last (0: one program per "
                                "key tile and head)", variants=_BH)
+    hopper_dkdv_tma: int = knob(0, (0, 1), "Hopper: 1 stores dK and dV through shared memory "
+                                "(the K and V tiles' buffers) with TMA, 0 from registers "
+                                "(same values)", variants=_BH)
 
     kind = "bwd"
 

@@ -540,7 +540,8 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     deeper default (whose dQ is staged in register order, which supersedes the column
     groups the fixed order's long-key points took before session 48); last, at either head
     dim, dQ in register order with its first turn stored (``hopper_dq_store_first``), in
-    the fixed order, then that point with the call in two halves (``hopper_split``)."""
+    the fixed order, then that point with the call in two halves (``hopper_split``), and
+    that one with dK and dV stored through TMA (``hopper_dkdv_tma``)."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -556,8 +557,10 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         first = {"hopper_dq_store_first": 2, **({} if deterministic else {"hopper_dq_fixed": 1})}
         if head_dim > 64:
             assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
-            assert hopper == points[-3:] == [{**base, **deep}, {**base, **first},
-                                             {**base, **first, "hopper_split": 2}]
+            assert hopper == points[-4:] == [{**base, **deep}, {**base, **first},
+                                             {**base, **first, "hopper_split": 2},
+                                             {**base, **first, "hopper_split": 2,
+                                              "hopper_dkdv_tma": 1}]
         else:
             assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
@@ -571,6 +574,8 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             want.append({**rows, "hopper_dq_frag": 1})
             want.append({**rows, "hopper_dq_frag": 1, **first})
             want.append({**rows, "hopper_dq_frag": 1, **first, "hopper_split": 2})
+            want.append({**rows, "hopper_dq_frag": 1, **first, "hopper_split": 2,
+                         "hopper_dkdv_tma": 1})
             assert hopper == points[-len(want):] == want
         for pt in hopper:
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)
@@ -598,12 +603,13 @@ def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants()
 
 def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first`` and
-    ``hopper_split``) is followed in the seeds by itself with each knob: store-first =2
-    beyond 1k keys, =1 up to it, and in the fixed order for a ``deterministic=False`` call;
-    split in two where there are two sequences or KV heads. No such point for a winner a
-    knob cannot serve (store-first: dQ staged in rows; both: a portable kernel), the
-    forward or another architecture."""
+    """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first``,
+    ``hopper_split`` and ``hopper_dkdv_tma``) is followed in the seeds by itself with each
+    knob: store-first =2 beyond 1k keys, =1 up to it, and in the fixed order for a
+    ``deterministic=False`` call; split in two where there are two sequences or KV heads;
+    dK and dV stored with TMA. No such point for a winner a knob cannot serve
+    (store-first: dQ staged in rows; all: a portable kernel), the forward or another
+    architecture."""
     from dataclasses import replace
 
     from flashtune.autotune.priors import winner_points
@@ -618,23 +624,27 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
            "hopper_regs": 232, "hopper_stagger": 0}
     assert won["hopper_dq_frag"] == 1 and won["hopper_dq_store_first"] == 0
     split = {**won, "hopper_split": 2}
-    assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}, split]
+    tma = {**won, "hopper_dkdv_tma": 1}
+    assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}, split,
+                                                   tma]
     short = replace(p, seqlen_q=1000, seqlen_k=1000)
     assert winner_points("bwd", won, short, "9.0") == [{**won, "hopper_dq_store_first": 1},
-                                                       split]
+                                                       split, tma]
     free = replace(p, deterministic=False)
     assert winner_points("bwd", won, free, "9.0") == [
-        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split]
+        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split, tma]
     # One sequence of one KV head: nothing to split.
     alone = replace(p, batch=1, heads_q=1, heads_kv=1)
-    assert winner_points("bwd", won, alone, "9.0") == [{**won, "hopper_dq_store_first": 2}]
+    assert winner_points("bwd", won, alone, "9.0") == [{**won, "hopper_dq_store_first": 2},
+                                                       tma]
     rows = {**won, "hopper_dq_frag": 0}
     portable = config_to_dict(config.default_bwd(p, BWD_ONE_LAUNCH))
-    assert winner_points("bwd", rows, p, "9.0") == [{**rows, "hopper_split": 2}]
+    assert winner_points("bwd", rows, p, "9.0") == [{**rows, "hopper_split": 2},
+                                                    {**rows, "hopper_dkdv_tma": 1}]
     assert winner_points("bwd", portable, p, "9.0") == []
     assert winner_points("bwd", won, p, "8.0") == winner_points("fwd", won, p, "9.0") == []
-    assert winner_points("bwd", {**won, "hopper_dq_store_first": 2, "hopper_split": 2}, p,
-                         "9.0") == []
+    assert winner_points("bwd", {**won, "hopper_dq_store_first": 2, "hopper_split": 2,
+                                 "hopper_dkdv_tma": 1}, p, "9.0") == []
 
     # Through the seeds, from a database whose winner an older Triton tuned.
     here = replace(device_info("cpu"), name="NVIDIA H200", capability="9.0", sm_count=132,
@@ -646,10 +656,11 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
         st.put_result(here, before, p.key("bwd"), won, problem=p, tflops=1.0, median_ms=2.0,
                       p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9, search_seconds=1.0)
         seeds = _seed_configs(st, here, now, p, "bwd", BWD, shipped=False)
-    assert [s for _, s in seeds[:4]] == ["stale", "stale+", "stale+", "default"]
+    assert [s for _, s in seeds[:5]] == ["stale", "stale+", "stale+", "stale+", "default"]
     assert seeds[0][0] == BWD.project(won)
     assert seeds[1][0] == BWD.project({**won, "hopper_dq_store_first": 2})
     assert seeds[2][0] == BWD.project(split)
+    assert seeds[3][0] == BWD.project(tma)
     # Such a search measures the winner's knob point too, however short its budget.
     assert seeded_min_trials(seeds) == STALE_MIN_TRIALS > 2
     assert seeded_min_trials([(won, "shipped"), (won, "shipped+")]) == STALE_MIN_TRIALS
@@ -702,6 +713,30 @@ def test_polishing_takes_turns_with_the_other_kernel_familys_best(
     assert portable in measured  # seeded: the portable kernel's own heuristic
     assert best in measured
     assert config_to_dict(r.config) == best
+
+
+def test_backwards_are_seeded_with_tma_stores_of_dk_and_dv(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hopper_dkdv_tma`` (dK and dV through shared memory and TMA) at every length and
+    mask: as a prior point with the halves, and as a move on a stored winner that keeps
+    the winner's other fields; the portable variants have no such field."""
+    from dataclasses import replace
+
+    from flashtune.autotune.priors import prior_points, winner_points
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=4, heads_q=8, heads_kv=4, seqlen_q=3000, seqlen_k=3000, head_dim=128,
+                causal=True, deterministic=True)
+    base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
+    points = prior_points("bwd", p, "9.0")
+    assert {**base, "hopper_dq_store_first": 2, "hopper_split": 2,
+            "hopper_dkdv_tma": 1} in points
+    won = {**base, "hopper_stages": 1, "hopper_split": 2}
+    assert {**won, "hopper_dkdv_tma": 1} in winner_points("bwd", won, p, "9.0")
+    assert not any(pt.get("hopper_dkdv_tma") for pt in points
+                   if pt["variant"] != config.BWD_HOPPER)
+    free = replace(p, head_dim=64, causal=False, deterministic=False)
+    assert any(pt.get("hopper_dkdv_tma") for pt in prior_points("bwd", free, "9.0"))
 
 
 def test_short_unmasked_backwards_are_seeded_with_a_persistent_grid(

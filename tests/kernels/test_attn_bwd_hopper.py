@@ -420,6 +420,41 @@ def _persist(seed: int) -> list[str]:
     return failures
 
 
+def _dkdv_tma(seed: int) -> list[str]:
+    """``hopper_dkdv_tma=1``: dK and dV staged in the consumers' K and V tiles and stored
+    with TMA. Against the reference, and the same gradients as stored from registers (bit
+    for bit in the fixed order, call after call and as the tuner times it): two consumers
+    in the fixed order, which meet before dK overwrites the K tiles both read; one
+    consumer; key counts off the 64-row box (rows past the end clipped); GQA; the
+    flash-attn layout (strided gradients); a window; split in two by heads (views of the
+    call's gradients); persistent programs walking several heads, whose next K and V wait
+    for the stores; the free order."""
+    import torch
+
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout, knobs in (
+            (Problem(2, 4, 2, 1000, 1100, 128, "bf16", True, deterministic=True), "bhsd", {}),
+            (Problem(1, 8, 4, 777, 901, 64, "fp16", False, deterministic=True), "bshd", {}),
+            (Problem(2, 4, 4, 700, 1000, 128, "bf16", False, deterministic=True), "bhsd",
+             {"hopper_block_n": 64}),
+            (Problem(1, 6, 3, 900, 900, 128, "bf16", False, (300, 40), deterministic=True),
+             "bshd", {"hopper_split": 2}),
+            (Problem(5, 4, 4, 1024, 1024, 128, "bf16", False, deterministic=True), "bshd",
+             {"hopper_persist": 1}),
+            (Problem(2, 4, 4, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd", {}),
+            (Problem(2, 4, 4, 4100, 4100, 64, "bf16", False, deterministic=False), "bshd",
+             {"hopper_persist": 1})):
+        base = dataclasses.replace(default_bwd(p, BWD_HOPPER), **{"hopper_split": 1, **knobs})
+        cand = dataclasses.replace(base, hopper_dkdv_tma=1)
+        failures += _against_base(p, layout, gen, base, cand, f"dkdv_tma {knobs}",
+                                  "the register stores'")
+    return failures
+
+
 def _defaults(seed: int) -> list[str]:
     """What a call with no tuned entry is served from 1k queries and keys (session 42's
     default rule): the Hopper backward's default config, K and V in registers at D=64,
@@ -475,7 +510,7 @@ def needs_hopper() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
-                                   "_store_first", "_split", "_persist"])
+                                   "_store_first", "_split", "_persist", "_dkdv_tma"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

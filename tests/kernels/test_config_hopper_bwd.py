@@ -198,7 +198,7 @@ def test_active_fields_and_round_trip() -> None:
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
             "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
-            "hopper_persist",
+            "hopper_persist", "hopper_dkdv_tma",
             "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
