@@ -53,22 +53,56 @@ def use_module(path: str) -> None:
     kpkg.attn_bwd_hopper = mod
 
 
-def ptxas_report(ptx: str) -> str:
+def _tool(name: str) -> str:
     import triton
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loop_spills(sass: str) -> list[tuple[int, int, int]]:
+    """(wgmma instructions, spill stores, spill loads) of each innermost loop of ``sass``
+    (cuobjdump's listing) that issues 8 or more wgmma: the consumers' query-tile loops,
+    where a spill costs every tile; the rest of a kernel's spills run once per head.
+    Loops are backward branches, less the mbarrier waits' retry stubs that ptxas puts
+    past the main code (tiny self-loops after the last wgmma, each branching back)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines())
+           if m]
+    last_mma = max(a for a, t in ins if "HGMMA" in t)
+    back = [(int(m.group(1), 16), a) for a, t in ins
+            if (m := re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    stubs = min([a for lo, a in back if a > last_mma and a - lo <= 0x40] or [ins[-1][0] + 1])
+
+    def count(lo: int, hi: int, pattern: str) -> int:
+        return sum(1 for a, t in ins if lo <= a <= hi and re.search(pattern, t))
+
+    mma = {(lo, hi) for lo, hi in back if hi < stubs and count(lo, hi, "HGMMA") >= 8}
+    inner = sorted(x for x in mma if not any(o != x and x[0] <= o[0] and o[1] <= x[1]
+                                             for o in mma))
+    return [(count(lo, hi, "HGMMA"), count(lo, hi, r"\bSTL"), count(lo, hi, r"\bLDL"))
+            for lo, hi in inner]
+
+
+def ptxas_report(ptx: str, loops: bool = False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
+        cubin = os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o",
-                            os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        r = subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", src, "-o", cubin],
+                           capture_output=True, text=True)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True).stdout if loops else ""
     text = r.stdout + r.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return f"regs {','.join(regs)} spill st/ld {spills}"
+    out = f"regs {','.join(regs)} spill st/ld {spills}"
+    if loops:
+        out += " | in the query-tile loops (wgmma, STL, LDL instructions): " + ", ".join(
+            f"{n}/{st}/{ld}" for n, st, ld in loop_spills(sass))
+    return out
 
 
-def shipped_report() -> None:
+def shipped_report(loops: bool = False) -> None:
     """Registers and spills of every shipped Hopper backward entry, in its own order."""
     import json
 
@@ -95,7 +129,9 @@ def shipped_report() -> None:
               f"{x['seqlen_q']}x{x['head_dim']}{' causal' if x['causal'] else ''}"
               f"{' win' if x['window'] != [-1, -1] else ''} m{cfg.hopper_block_m} "
               f"n{cfg.hopper_block_n} s{cfg.hopper_stages} r{cfg.hopper_regs} "
-              f"w{cfg.hopper_walk}: {ptxas_report(BUILT_PTX['_attn_bwd_hopper_kernel'])}",
+              f"w{cfg.hopper_walk}{' tma' if cfg.hopper_dkdv_tma else ''}"
+              f"{'' if e['problem'].get('deterministic', True) else ' free'}: "
+              f"{ptxas_report(BUILT_PTX['_attn_bwd_hopper_kernel'], loops)}",
               flush=True)
 
 
@@ -114,6 +150,9 @@ def main() -> None:
                     help="CASES with hopper_persist=1 (unmasked cases only)")
     ap.add_argument("--dkdv-tma", action="store_true",
                     help="CASES with hopper_dkdv_tma=1 (dK and dV stored with TMA)")
+    ap.add_argument("--loops", action="store_true",
+                    help="also count the spill instructions inside the consumers' query-tile "
+                    "loops (from the SASS; the totals include per-head prologues and epilogues)")
     ap.add_argument("--save", default=None, help="a folder to write each case's PTX to")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped layer's Hopper backward entries instead of CASES")
@@ -121,7 +160,7 @@ def main() -> None:
     if args.module:
         use_module(args.module)
     if args.shipped:
-        shipped_report()
+        shipped_report(args.loops)
         return
     picked = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     for b, hq, hk, s, d, causal, m, st, stagger in picked:
@@ -152,7 +191,7 @@ def main() -> None:
                   f"{' frag' if args.frag else ''}"
                   f"{f' store_first={args.store_first}' if args.store_first and det else ''}"
                   f"{' dkdv_tma' if args.dkdv_tma else ''}: "
-                  f"{ptxas_report(ptx)}", flush=True)
+                  f"{ptxas_report(ptx, args.loops)}", flush=True)
 
 
 if __name__ == "__main__":
