@@ -38,6 +38,18 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flasht
                        "shipped.json")
 
 
+def parse_range(spec: str) -> list[int]:
+    """Indices from ``spec``, comma-separated numbers and inclusive ranges: "27-56,58"."""
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
 def knob_values(items: list[str]) -> dict[str, int]:
     out = {}
     for item in items:
@@ -195,12 +207,7 @@ def main() -> None:
     if not args.set or not args.out:
         ap.error("--set and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
-    only = None
-    if args.entries:
-        only = set()
-        for part in args.entries.split(","):
-            lo, _, hi = part.partition("-")
-            only.update(range(int(lo), int(hi or lo) + 1))
+    only = set(parse_range(args.entries)) if args.entries else None
     retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
                    args.masked, args.unmasked, args.max_keys, only)
 

@@ -28,20 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from retime_knob import parse_range  # noqa: E402
+
 # The standard preset's backward rows (its first 24, no GQA).
 SHAPES = [(b, h, s, d, c) for d, h in ((128, 16), (64, 32)) for c in (False, True)
           for s, b in ((512, 32), (1024, 16), (2048, 8), (4096, 4), (8192, 2), (16384, 1))]
-
-
-def parse_range(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            lo, hi = part.split("-")
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            out.append(int(part))
-    return out
 
 
 def interleaved_ms(fns: dict, names: list[str], rounds: int) -> dict[str, float]:

@@ -234,13 +234,8 @@ def _tuner_launch(seed: int) -> list[str]:
                 for _, launch in steps:
                     launch()
                 torch.cuda.synchronize()
-                for name, a, b in zip("dq dk dv".split(), grads, once, strict=True):
-                    same = torch.equal(a, b) if p.deterministic else torch.allclose(
-                        a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
-                    if not same:
-                        err = (a.float() - b.float()).abs().max().item()
-                        failures.append(f"{p} frag={frag} run {run}: {name} differs from one "
-                                        f"call's (max abs difference {err:.3g})")
+                failures += _mismatches(p, grads, once, f"{p} frag={frag} run {run}",
+                                        "one call's")
     return failures
 
 
@@ -344,13 +339,23 @@ def _against_base(p, layout: str, gen, base, cand, label: str, base_label: str) 
     torch.cuda.synchronize()
     runs.append(grads)
     for i, run in ((1, label), (2, f"{label} again"), (3, f"{label}, as the tuner times it")):
-        for name, a, b in zip("dq dk dv".split(), runs[i], runs[0], strict=True):
-            same = torch.equal(a, b) if p.deterministic else torch.allclose(
-                a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
-            if not same:
-                err = (a.float() - b.float()).abs().max().item()
-                failures.append(f"{p} {layout} {run}: {name} differs from {base_label} "
-                                f"(max abs difference {err:.3g})")
+        failures += _mismatches(p, runs[i], runs[0], f"{p} {layout} {run}", base_label)
+    return failures
+
+
+def _mismatches(p, got, want, where: str, what: str) -> list[str]:
+    """(dq, dk, dv) ``got`` against ``want``: bit for bit where ``p`` is deterministic,
+    else within rounding (2% of the largest value); a line per gradient that is not."""
+    import torch
+
+    failures = []
+    for name, a, b in zip("dq dk dv".split(), got, want, strict=True):
+        same = torch.equal(a, b) if p.deterministic else torch.allclose(
+            a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+        if not same:
+            err = (a.float() - b.float()).abs().max().item()
+            failures.append(f"{where}: {name} differs from {what} (max abs difference "
+                            f"{err:.3g})")
     return failures
 
 
