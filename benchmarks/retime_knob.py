@@ -1,21 +1,28 @@
-"""Each shipped backward entry of this GPU against itself with knobs changed, as the
-tuner would measure the pair, and the winners written back into the shipped layer.
+"""Each shipped entry of this GPU (backward, or forward with ``--direction fwd``) against
+itself with knobs changed, as the tuner would measure the pair, and the winners written back
+into the shipped layer.
 
 On the GPU (``--set``; ``--part i/n`` takes every n-th entry, for one process per GPU):
-for each shipped entry of this device's name whose config the changed knobs apply to
-(the kernel variant that has them, ``--min-bh`` batch x KV heads, ``--masked``: causal or
-windowed problems only, ``--unmasked`` the others, ``--max-keys``, ``--entries``: indices
-into the layer), the candidate goes through the tuner's measurement (first launch, the
-gate against the fp32 reference, a timing), then the entry's config and the candidate
+for each shipped entry of this device's name and direction whose config the changed knobs
+apply to (the kernel variant that has them, ``--min-bh`` batch x KV heads, ``--masked``:
+causal or windowed problems only, ``--unmasked`` the others, ``--max-keys``, ``--entries``:
+indices into the layer), the candidate goes through the tuner's measurement (first launch,
+the gate against the fp32 reference, a timing), then the entry's config and the candidate
 are timed against each other in one interleaved loop (``measure.retime``, the house
 protocol: L2 flushed before every call, clocks meeting both alike). One JSON row per entry.
+``--jobs`` runs several such knob sets in one process (a list of runs); ``--tuned`` takes
+the knobs from a ``flashtune tune --json`` result (what a fresh search found for one
+entry's problem, timed here beside the entry's config).
 
     python3 benchmarks/retime_knob.py --set hopper_split=2 --out retime.json
+    python3 benchmarks/retime_knob.py --jobs '[["58,59", {"hopper_walk": 0}]]' --out r.json
+    python3 benchmarks/retime_knob.py --direction fwd --tuned tune.json --entries 82 \\
+        --out r82.json
 
 Here (``--apply``): the rows whose candidate passed the gate and ran at least
-``--min-gain`` faster replace their entries' configs in ``flashtune/data/shipped.json``,
-and scale their stored timings by the candidate's time ratio in the shared loop, where
-the entry is
+``--min-gain`` faster replace their entries' configs in ``flashtune/data/shipped.json``
+(where several runs won on one entry, the fastest candidate), and scale their stored
+timings by the candidate's time ratio in the shared loop, where the entry is
 still the one that was timed (same device, key and config; the kernel hash of the tree
 that ran on the GPU must be the entry's), written as ``autotune export`` writes it.
 
@@ -61,27 +68,28 @@ def knob_values(items: list[str]) -> dict[str, int]:
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
                    rounds: int, out_path: str, masked: bool = False,
                    unmasked: bool = False, max_keys: int = 0,
-                   only: set[int] | None = None) -> None:
+                   only: set[int] | None = None, direction: str = "bwd") -> None:
     import torch
 
     from flashtune.autotune.measure import Bench, measure, retime
     from flashtune.db.fingerprint import software_info
     from flashtune.exceptions import InfeasibleConfigError
-    from flashtune.kernels.config import active_fields, check_bwd, config_from_dict
+    from flashtune.kernels.config import active_fields, check, config_from_dict
     from flashtune.problem import Problem
 
     name = torch.cuda.get_device_name()
-    sw = software_info().for_direction("bwd")
+    sw = software_info().for_direction(direction)
     entries = json.load(open(SHIPPED))["entries"]
     mine = [(i, e) for i, e in enumerate(entries)
-            if e["direction"] == "bwd" and e["device"]["name"] == name
+            if e["direction"] == direction and e["device"]["name"] == name
             and (only is None or i in only)]
     i_part, n_part = part
     mine = mine[i_part - 1::n_part]
-    out: dict[str, Any] = {"device": name, "software": dataclasses.asdict(sw), "set": knobs,
+    out: dict[str, Any] = {"device": name, "direction": direction,
+                           "software": dataclasses.asdict(sw), "set": knobs,
                            "torch": torch.__version__, "rows": []}
     for index, e in mine:
-        cfg = config_from_dict("bwd", e["config"])
+        cfg = config_from_dict(direction, e["config"])
         p = Problem.from_dict(e["example"])
         row: dict[str, Any] = {"index": index, "key": e["problem"], "example": e["example"],
                                "config": e["config"], "software": e["software"]}
@@ -97,18 +105,18 @@ def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
             continue
         cand = dataclasses.replace(cfg, **knobs)
         try:
-            check_bwd(cand, p)
+            check(cand, p)
         except InfeasibleConfigError as err:
             row["status"] = f"infeasible: {err}"
             out["rows"].append(row)
             continue
         t0 = time.perf_counter()
         bench = Bench(p, "cuda")
-        m = measure(bench, "bwd", cand, seed=0)
+        m = measure(bench, direction, cand, seed=0)
         row.update(status=m.status, max_error=m.max_error, gate_ratio=m.ratio,
                    detail=m.detail)
         if m.status == "ok":
-            base, new = retime(bench, "bwd", [cfg, cand], rounds=rounds)
+            base, new = retime(bench, direction, [cfg, cand], rounds=rounds)
             row.update(entry_ms=[base.median_ms, base.p20_ms, base.p80_ms],
                        candidate_ms=[new.median_ms, new.p20_ms, new.p80_ms],
                        speedup=base.median_ms / new.median_ms)
@@ -136,43 +144,56 @@ def apply(paths: list[str], min_gain: float) -> None:
 
     data = json.load(open(SHIPPED))
     entries = data["entries"]
-    here = dataclasses.asdict(software_info().for_direction("bwd"))
-    changed = 0
+    # Every winning row of every run (a file holds one run, or a list of them: --jobs),
+    # fastest first: where two runs won on one entry, the faster candidate is taken.
+    wins = []
     for path in paths:
-        run = json.load(open(path))
-        if run["software"]["kernels_hash"] != here["kernels_hash"]:
-            raise SystemExit(f"{path}: timed with kernel hash {run['software']['kernels_hash']}"
-                             f", this tree's is {here['kernels_hash']}")
-        for row in run["rows"]:
-            if row.get("status") != "ok" or row["speedup"] < 1.0 + min_gain:
-                continue
-            # The entry timed (its index may have moved since: a relabel re-exports).
-            timed = config_from_dict("bwd", row["config"])  # (knobs added since: defaults)
-            found = [e for e in entries if e["direction"] == "bwd"
-                     and e["device"]["name"] == run["device"] and e["problem"] == row["key"]
-                     and config_from_dict("bwd", e["config"]) == timed]
-            if len(found) != 1:
-                raise SystemExit(f"{path}: the entry timed as {row['index']} is not in the "
-                                 "shipped layer (once) any more")
-            e = found[0]
-            if e["software"]["kernels_hash"] != here["kernels_hash"]:
-                raise SystemExit(f"entry {row['index']}: kernel hash "
-                                 f"{e['software']['kernels_hash']} is not this tree's "
-                                 "(relabel the shipped layer first)")
-            # The entry's figures (the sweep's anchored timing) times the candidate's
-            # ratio to the entry's config in the shared loop: a loop of two heavy
-            # launches alone runs the GPU hotter than the sweep's and the bench's (their
-            # absolute figures 0-11% above the stored ones on the H200, session 54), so
-            # its ratio is kept, not its milliseconds.
-            r = row["candidate_ms"][0] / row["entry_ms"][0]
-            med, p20, p80 = (e[f] * r for f in ("median_ms", "p20_ms", "p80_ms"))
-            p = Problem.from_dict(e["example"])
-            e["config"] = config_to_dict(dataclasses.replace(timed, **run["set"]))
-            e.update(median_ms=med, p20_ms=p20, p80_ms=p80, max_error=row["max_error"],
-                     tflops=p.flops("bwd") / (med * 1e9), trials=e["trials"] + 1,
-                     search_seconds=e["search_seconds"] + row["seconds"])
-            changed += 1
-            print(f"entry {row['index']}: {row['speedup']:.3f}x with {run['set']}")
+        loaded = json.load(open(path))
+        for run in loaded if isinstance(loaded, list) else [loaded]:
+            direction = run.get("direction", "bwd")  # (files before --direction: backward)
+            here = dataclasses.asdict(software_info().for_direction(direction))
+            if run["software"]["kernels_hash"] != here["kernels_hash"]:
+                raise SystemExit(f"{path}: timed with kernel hash "
+                                 f"{run['software']['kernels_hash']}, this tree's is "
+                                 f"{here['kernels_hash']}")
+            wins += [(row, run, direction, here) for row in run["rows"]
+                     if row.get("status") == "ok" and row["speedup"] >= 1.0 + min_gain]
+    wins.sort(key=lambda w: -w[0]["speedup"])
+    changed, taken = 0, set()
+    for row, run, direction, here in wins:
+        key = (direction, run["device"], json.dumps(row["key"], sort_keys=True))
+        if key in taken:
+            print(f"entry {row['index']}: {row['speedup']:.3f}x with {run['set']} "
+                  "(a faster candidate taken)")
+            continue
+        taken.add(key)
+        # The entry timed (its index may have moved since: a relabel re-exports).
+        timed = config_from_dict(direction, row["config"])  # (knobs added since: defaults)
+        found = [e for e in entries if e["direction"] == direction
+                 and e["device"]["name"] == run["device"] and e["problem"] == row["key"]
+                 and config_from_dict(direction, e["config"]) == timed]
+        if len(found) != 1:
+            raise SystemExit(f"the entry timed as {row['index']} is not in the shipped "
+                             "layer (once) any more")
+        e = found[0]
+        if e["software"]["kernels_hash"] != here["kernels_hash"]:
+            raise SystemExit(f"entry {row['index']}: kernel hash "
+                             f"{e['software']['kernels_hash']} is not this tree's "
+                             "(relabel the shipped layer first)")
+        # The entry's figures (the sweep's anchored timing) times the candidate's
+        # ratio to the entry's config in the shared loop: a loop of two heavy
+        # launches alone runs the GPU hotter than the sweep's and the bench's (their
+        # absolute figures 0-11% above the stored ones on the H200, session 54), so
+        # its ratio is kept, not its milliseconds.
+        r = row["candidate_ms"][0] / row["entry_ms"][0]
+        med, p20, p80 = (e[f] * r for f in ("median_ms", "p20_ms", "p80_ms"))
+        p = Problem.from_dict(e["example"])
+        e["config"] = config_to_dict(dataclasses.replace(timed, **run["set"]))
+        e.update(median_ms=med, p20_ms=p20, p80_ms=p80, max_error=row["max_error"],
+                 tflops=p.flops(direction) / (med * 1e9), trials=e["trials"] + 1,
+                 search_seconds=e["search_seconds"] + row["seconds"])
+        changed += 1
+        print(f"entry {row['index']}: {row['speedup']:.3f}x with {run['set']}")
     # Written as `autotune export` writes it: through an in-memory database.
     with open_storage("sqlite://") as st:
         import_json(st, json.dumps(data).encode())
@@ -185,6 +206,7 @@ def apply(paths: list[str], min_gain: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", action="append", default=[], help="knob=value (repeatable)")
+    ap.add_argument("--direction", choices=("fwd", "bwd"), default="bwd")
     ap.add_argument("--part", default="1/1")
     ap.add_argument("--min-bh", type=int, default=1, help="least batch x KV heads")
     mask = ap.add_mutually_exclusive_group()
@@ -196,6 +218,13 @@ def main() -> None:
                     "keys (0: any)")
     ap.add_argument("--entries", default=None, help="only these indices into the shipped "
                     "layer, e.g. 27-56,58 (default: all of this GPU's)")
+    ap.add_argument("--jobs", default=None, metavar="JSON",
+                    help='several runs in one process instead of --set: a list of '
+                    '[entries, {knob: value}], e.g. \'[["58,59", {"hopper_walk": 0}]]\'; '
+                    "--out gets the list of their results")
+    ap.add_argument("--tuned", default=None, metavar="FILE",
+                    help="instead of --set: the config of a `tune --json` result for "
+                    "--direction, as the knobs that differ from the --entries entry's")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -204,12 +233,34 @@ def main() -> None:
     if args.apply:
         apply(args.apply, args.min_gain)
         return
-    if not args.set or not args.out:
-        ap.error("--set and --out (or --apply)")
+    if not (args.set or args.jobs or args.tuned) or not args.out:
+        ap.error("--set, --jobs or --tuned, and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
     only = set(parse_range(args.entries)) if args.entries else None
-    retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
-                   args.masked, args.unmasked, args.max_keys, only)
+    if args.tuned:
+        if only is None or len(only) != 1:
+            ap.error("--tuned needs --entries with one index")
+        entry = json.load(open(SHIPPED))["entries"][min(only)]
+        found = json.load(open(args.tuned))[args.direction]["config"]
+        knobs = {k: v for k, v in found.items() if entry["config"].get(k) != v}
+        print(f"entry {min(only)}: the tuned config differs in {knobs}", flush=True)
+        jobs = [(args.entries, knobs)] if knobs else []
+    elif args.jobs:
+        jobs = [(spec, knobs) for spec, knobs in json.loads(args.jobs)]
+    else:
+        retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
+                       args.masked, args.unmasked, args.max_keys, only, args.direction)
+        return
+    runs = []
+    for spec, knobs in jobs:
+        retime_entries(knobs, (i, n), args.min_bh, args.rounds, args.out + ".part",
+                       args.masked, args.unmasked, args.max_keys, set(parse_range(spec)),
+                       args.direction)
+        runs.append(json.load(open(args.out + ".part")))
+        with open(args.out, "w") as f:  # after every run, so that a timeout keeps them
+            json.dump(runs, f, indent=1)
+    if os.path.exists(args.out + ".part"):
+        os.remove(args.out + ".part")
 
 
 if __name__ == "__main__":

@@ -106,8 +106,9 @@ def shipped_report(loops: bool = False) -> None:
     """Registers and spills of every shipped Hopper backward entry, in its own order."""
     import json
 
+    import flashtune
     from flashtune.kernels.config import config_from_dict
-    path = os.path.join(os.path.dirname(H.__file__), "..", "data", "shipped.json")
+    path = os.path.join(os.path.dirname(flashtune.__file__), "data", "shipped.json")
     with open(path) as f:
         entries = json.load(f)["entries"]
     for e in entries:
