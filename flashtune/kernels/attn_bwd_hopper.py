@@ -1284,12 +1284,34 @@ def _template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return template(TensorDescriptor(base, list(shape), strides, block, layout))
 
 
-class HopperBwdLaunch:
+class _Launch:
+    """What the two prepared forms share: a call allocates its buffers (:meth:`buffers`)
+    and launches into them (:meth:`run`), which the tuner times on buffers made once."""
+
+    stage_lse: bool
+
+    def _lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """The LSE made contiguous, and 16-byte aligned where it is staged (TMA needs it;
+        a fresh allocation is)."""
+        lse = lse.contiguous()
+        return lse.clone() if self.stage_lse and lse.data_ptr() % 16 else lse
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK and dV."""
+        bufs = self.buffers(q, k, v, lse)
+        self.run(do, q, k, v, o, bufs)
+        return bufs[0], bufs[1], bufs[2]
+
+
+class HopperBwdLaunch(_Launch):
     """The Gluon backward for one call signature (shapes and strides of q, k, v, o and dO,
     dtype, device, mask, config, determinism), prepared once as ``HopperLaunch`` prepares
     the forward: grids, scalars, constexprs, descriptor templates and three bound launches
-    (``flashtune.kernels._bound``) - the delta preprocess, which also zeroes the fp32 dQ
-    accumulator, the Gluon backward and the dQ cast. Built per call instead (plans, seven
+    (``flashtune.kernels._bound``) - the delta preprocess (which also zeroes the fp32 dQ
+    accumulator, but in fragment order: see :meth:`run`), the Gluon backward and the dQ
+    cast. Built per call instead (plans, seven
     descriptors, three ``kernel[grid]`` launches), it kept the GPU waiting on short
     problems, and eager training steps timed the host (session 30, BENCHMARKS.md).
 
@@ -1415,9 +1437,7 @@ class HopperBwdLaunch:
                 ) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv, lse, delta, the fp32 dQ accumulator, the semaphores) for one call:
         the LSE made contiguous (and 16-byte aligned where it is staged), the rest new."""
-        lse = lse.contiguous()
-        if self.stage_lse and lse.data_ptr() % 16:
-            lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
+        lse = self._lse(lse)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
                 torch.empty_like(lse), *self.scratch(q.device))
 
@@ -1452,14 +1472,6 @@ class HopperBwdLaunch:
         self.main(descriptor_like(tq, q), descriptor_like(tdo, do), descriptor_like(tk, k),
                   descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), *grads, sem)
         self.finish(dq_acc, dq)
-
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dQ, dK and dV."""
-        bufs = self.buffers(q, k, v, lse)
-        self.run(do, q, k, v, o, bufs)
-        return bufs[0], bufs[1], bufs[2]
 
 
 def persistent_heads(n_n: int, heads: int, sms: int) -> int:
@@ -1498,7 +1510,7 @@ def _side_stream(device: torch.device) -> Any:
     return _SIDE_STREAMS[index]
 
 
-class SplitHopperBwdLaunch:
+class SplitHopperBwdLaunch(_Launch):
     """:class:`HopperBwdLaunch` for ``hopper_split=2``: the call as two independent parts
     (:func:`split_plan`), each a HopperBwdLaunch of its own over views of the call's
     tensors, the first on the current stream, the second on a side stream that forks from
@@ -1541,9 +1553,7 @@ class SplitHopperBwdLaunch:
                 ) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv, lse, delta) of the whole call (as HopperBwdLaunch's), then each
         part's (fp32 dQ accumulator, semaphores)."""
-        lse = lse.contiguous()
-        if self.stage_lse and lse.data_ptr() % 16:
-            lse = lse.clone()  # a fresh allocation is aligned; TMA needs it
+        lse = self._lse(lse)
         out = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lse,
                torch.empty_like(lse)]
         for part in self.parts:
@@ -1572,14 +1582,6 @@ class SplitHopperBwdLaunch:
                 part.run(do_, q_, k_, v_, o_, part_bufs)
         if cur is not None:
             cur.wait_stream(self.side)
-
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dQ, dK and dV."""
-        bufs = self.buffers(q, k, v, lse)
-        self.run(do, q, k, v, o, bufs)
-        return bufs[0], bufs[1], bufs[2]
 
 
 def prepare_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

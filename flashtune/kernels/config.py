@@ -205,13 +205,12 @@ class BwdConfig:
                                       "dQ writer, which costs the consumers registers; 2 "
                                       "issues both TMA ops, the one not the turn's out of "
                                       "bounds, with no branch", variants=_BH)
-    hopper_split: int = knob(1, (1, 2), "Hopper: 2 runs the call as two independent halves "
-                             "(of the batch, else of the KV heads) concurrently, the second "
-                             "on a side stream, so one half's bandwidth-bound preprocess and "
-                             "dQ cast overlap the other's main kernel; the gradients are "
-                             "bit-identical to 1's (one launch of each kernel)",
-                             variants=_BH)
-
+    hopper_split: int = knob(1, (1, 2), "Hopper: 1 launches each kernel once for the whole "
+                             "call; 2 runs it as two independent halves (of the batch, else "
+                             "of the KV heads; one sequence of one KV head stays whole), the "
+                             "second on a side stream, so that one half's bandwidth-bound "
+                             "preprocess and dQ cast overlap the other's main kernel. The "
+                             "gradients are bit-identical either way", variants=_BH)
     hopper_persist: int = knob(0, (0, 1), "Hopper, no mask, hopper_split=1: 1 launches "
                                "as many programs per key tile as the SMs hold whole heads, "
                                "each walking its heads in turn and loading the next head's "
