@@ -32,6 +32,13 @@ from 8k down, 16 1.002-1.025x, 64 1.002-1.009x. The
 measured main kernel (session 53) took 0.540x the unmasked one's time at 16k, where the
 causal work is 0.504x of it: the gap the model's tail and the diagonal tiles' masking
 share. A hypothesis for a profile to confirm.
+
+Session 57's profile confirmed the tail: ncu put the 16k causal main kernel's SMs idle
+6.9% of its time (``bwd_ncu_calls.py``), the model's head-major 1.075x (7.0% idle).
+``paired_turns`` models equal-length programs in the fixed order: 1.031-1.034x with the
+heavy tile walking downwards, 1.034-1.039x upwards (and worse as a turn costs more: with
+adds of 0.6 of a tile, 1.034x against 1.063x at 16k). The model's turn costs are
+optimistic: ``hopper_lpt`` 1, 1.011x here, ran 8-21% slower on the GPU (session 55).
 """
 
 from __future__ import annotations
@@ -102,6 +109,67 @@ def with_turns(n_n: int, heads: int, sms: int, *, lpt: int, add: float = 0.05,
     return end / (busy / sms)
 
 
+def paired_turns(n_n: int, heads: int, sms: int, *, add: float = 0.05, ring: int = 2,
+                 heavy_down: bool = True, rounds: int = 100) -> float:
+    """Makespan over the ideal of equal-length programs in the fixed dQ order: program p
+    of a head takes key tile n_n - 1 - p (light, walking its query tiles upwards), then key
+    tile p (heavy, downwards with ``heavy_down``, else upwards too). The turn order at a
+    query tile is static: the units that see it sorted by their estimated arrival, in
+    query-tile steps from the head's start (light tile a at tile m: m - 2a; heavy tile p:
+    2p + 2 + (n_m - 1 - m) downwards, 2p + 2 + m - 2p upwards), ties by program. Every wait
+    then points to an add estimated earlier, so the waits hold no cycle while a head's
+    programs are resident together. Costs as in :func:`with_turns`. A program's time
+    depends on the others' starts and theirs on its end: list scheduling and the waits are
+    iterated to a fixed point."""
+    n_m, pairs = 2 * n_n, n_n // 2
+    steps = []  # per program of a head: [(query tile, estimated arrival)]
+    for p in range(pairs):
+        light, heavy = n_n - 1 - p, p
+        own = [(m, m - 2 * light) for m in range(2 * light, n_m)]
+        walk = range(n_m - 1, 2 * heavy - 1, -1) if heavy_down else range(2 * heavy, n_m)
+        steps.append(own + [(m, len(own) + i) for i, m in enumerate(walk)])
+    at: dict[int, list[tuple[int, int, int]]] = {}
+    for p, st in enumerate(steps):
+        for i, (m, t) in enumerate(st):
+            at.setdefault(m, []).append((t, p, i))
+    pred: dict[tuple[int, int], tuple[int, int]] = {}
+    for lst in at.values():
+        lst.sort()
+        for k in range(1, len(lst)):
+            pred[lst[k][1:]] = lst[k - 1][1:]
+    topo = sorted((t, p, i) for p, st in enumerate(steps) for i, (_m, t) in enumerate(st))
+
+    def head_ends(starts: list[float]) -> list[float]:
+        c = [[0.0] * len(st) for st in steps]
+        a = [[0.0] * len(st) for st in steps]
+        for _t, p, i in topo:
+            c[p][i] = max(c[p][i - 1] if i else starts[p],
+                          a[p][i - ring] if i >= ring else 0.0) + 1.0
+            q = pred.get((p, i))
+            a[p][i] = max(c[p][i], a[p][i - 1] if i else 0.0,
+                          a[q[0]][q[1]] if q else 0.0) + add
+        return [max(c[p][-1], a[p][-1]) for p in range(pairs)]
+
+    total = pairs * heads
+    ends = [float(len(steps[0]))] * total  # first guess: no waits
+    for _ in range(rounds):
+        free = [0.0] * sms
+        starts = []
+        for g in range(total):  # launched in order, each on the first free SM
+            t = heapq.heappop(free)
+            starts.append(t)
+            heapq.heappush(free, ends[g])
+        # (an SM frees when its program ends; the heap holds this round's guesses)
+        new = []
+        for h in range(heads):
+            new += head_ends(starts[h * pairs:(h + 1) * pairs])
+        if new == ends:
+            break
+        ends = new
+    busy = heads * sum(len(st) for st in steps)
+    return max(ends) / (busy / sms)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sms", type=int, default=132)
@@ -122,6 +190,14 @@ def main() -> None:
         n_n = seqlen // args.block_n
         print(f"| {bh} x {seqlen} | " + " | ".join(
             f"{with_turns(n_n, bh, args.sms, lpt=g):.3f}" for g in (0, 1, 16, 64)) + " |")
+    print("\nPaired key tiles in the fixed order (static turns by estimated arrival):")
+    print("| B*H x S | heavy tile walking down | heavy tile walking up |")
+    print("|---|---|---|")
+    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+        n_n = seqlen // args.block_n
+        print(f"| {bh} x {seqlen} | " + " | ".join(
+            f"{paired_turns(n_n, bh, args.sms, heavy_down=d):.3f}" for d in (True, False))
+            + " |")
 
 
 if __name__ == "__main__":
