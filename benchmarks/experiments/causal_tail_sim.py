@@ -46,6 +46,9 @@ from __future__ import annotations
 import argparse
 import heapq
 
+# (seqlen, batch x heads): the standard preset's causal D=128 rows
+SHAPES = ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256))
+
 
 def makespan(works: list[float], sms: int) -> float:
     """When the last program ends, programs launched in order on the first free SM."""
@@ -178,7 +181,7 @@ def main() -> None:
     args = ap.parse_args()
     print("| B*H x S | " + " | ".join(orders(1024, 1, args.block_n, args.block_m)) + " |")
     print("|---|---|---|---|")
-    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+    for seqlen, bh in SHAPES:
         cases = orders(seqlen, bh, args.block_n, args.block_m)
         ideal = sum(cases["head-major"]) / args.sms
         print(f"| {bh} x {seqlen} | " + " | ".join(
@@ -186,14 +189,14 @@ def main() -> None:
     print("\nWith the fixed order's turns (add = 0.05 of a tile's compute, ring 2):")
     print("| B*H x S | kernel's order | lpt 1 | lpt 16 | lpt 64 |")
     print("|---|---|---|---|---|")
-    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+    for seqlen, bh in SHAPES:
         n_n = seqlen // args.block_n
         print(f"| {bh} x {seqlen} | " + " | ".join(
             f"{with_turns(n_n, bh, args.sms, lpt=g):.3f}" for g in (0, 1, 16, 64)) + " |")
     print("\nPaired key tiles in the fixed order (static turns by estimated arrival):")
     print("| B*H x S | heavy tile walking down | heavy tile walking up |")
     print("|---|---|---|")
-    for seqlen, bh in ((16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256)):
+    for seqlen, bh in SHAPES:
         n_n = seqlen // args.block_n
         print(f"| {bh} x {seqlen} | " + " | ".join(
             f"{paired_turns(n_n, bh, args.sms, heavy_down=d):.3f}" for d in (True, False))
