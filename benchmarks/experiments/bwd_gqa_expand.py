@@ -5,7 +5,7 @@ kernel with dK and dV summed over the group afterwards (bf16 per head, as cuDNN'
 ``fmha_reduce_head`` does). Errors against an fp32 reference, reruns bit-identical in the
 fixed order, and times in one interleaved loop (L2 flushed before each launch).
 
-    FLASHTUNE_DB=/tmp/x.db timeout 300 python3 benchmarks/experiments/bwd_gqa_expand.py
+    FLASHTUNE_DB=/nonexistent/d/x.db timeout 300 python3 benchmarks/experiments/bwd_gqa_expand.py
 """
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,7 @@ profiler range, for Nsight Compute on an sm90 GPU: the main kernels' counters si
 (the tensor pipe's activity over the elapsed time and over the SMs' active time: their
 ratio is the time an SM sat idle; stall reasons; grid and shared memory).
 
-    FLASHTUNE_DB=/tmp/x.db ncu --profile-from-start off --clock-control none \\
+    FLASHTUNE_DB=/nonexistent/d/x.db ncu --profile-from-start off --clock-control none \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \\
         --csv --page raw python3 benchmarks/experiments/bwd_ncu_calls.py c16k det > c16k.csv
