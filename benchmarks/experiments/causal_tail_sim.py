@@ -112,24 +112,26 @@ def with_turns(n_n: int, heads: int, sms: int, *, lpt: int, add: float = 0.05,
     return end / (busy / sms)
 
 
-def paired_turns(n_n: int, heads: int, sms: int, *, add: float = 0.05, ring: int = 2,
-                 heavy_down: bool = True, rounds: int = 100) -> float:
+def paired_turns(n_n: int, heads: int, sms: int, *, ratio: int = 2, add: float = 0.05,
+                 ring: int = 2, heavy_down: bool = True, rounds: int = 100) -> float:
     """Makespan over the ideal of equal-length programs in the fixed dQ order: program p
     of a head takes key tile n_n - 1 - p (light, walking its query tiles upwards), then key
     tile p (heavy, downwards with ``heavy_down``, else upwards too). The turn order at a
     query tile is static: the units that see it sorted by their estimated arrival, in
-    query-tile steps from the head's start (light tile a at tile m: m - 2a; heavy tile p:
+    query-tile steps from the head's start (``ratio`` query tiles per key tile, 2 for
+    64-row query tiles and 128-key tiles: light tile a at tile m: m - 2a; heavy tile p:
     2p + 2 + (n_m - 1 - m) downwards, 2p + 2 + m - 2p upwards), ties by program. Every wait
     then points to an add estimated earlier, so the waits hold no cycle while a head's
     programs are resident together. Costs as in :func:`with_turns`. A program's time
     depends on the others' starts and theirs on its end: list scheduling and the waits are
     iterated to a fixed point."""
-    n_m, pairs = 2 * n_n, n_n // 2
+    n_m, pairs = ratio * n_n, n_n // 2
     steps = []  # per program of a head: [(query tile, estimated arrival)]
     for p in range(pairs):
         light, heavy = n_n - 1 - p, p
-        own = [(m, m - 2 * light) for m in range(2 * light, n_m)]
-        walk = range(n_m - 1, 2 * heavy - 1, -1) if heavy_down else range(2 * heavy, n_m)
+        own = [(m, m - ratio * light) for m in range(ratio * light, n_m)]
+        walk = (range(n_m - 1, ratio * heavy - 1, -1) if heavy_down
+                else range(ratio * heavy, n_m))
         steps.append(own + [(m, len(own) + i) for i, m in enumerate(walk)])
     at: dict[int, list[tuple[int, int, int]]] = {}
     for p, st in enumerate(steps):
@@ -186,22 +188,23 @@ def main() -> None:
         ideal = sum(cases["head-major"]) / args.sms
         print(f"| {bh} x {seqlen} | " + " | ".join(
             f"{makespan(w, args.sms) / ideal:.3f}" for w in cases.values()) + " |")
-    print("\nWith the fixed order's turns (add = 0.05 of a tile's compute, ring 2):")
-    print("| B*H x S | kernel's order | lpt 1 | lpt 16 | lpt 64 |")
-    print("|---|---|---|---|---|")
-    for seqlen, bh in SHAPES:
-        n_n = seqlen // args.block_n
-        print(f"| {bh} x {seqlen} | " + " | ".join(
-            f"{with_turns(n_n, bh, args.sms, lpt=g):.3f}" for g in (0, 1, 16, 64)) + " |")
-    print("\nPaired key tiles in the fixed order (static turns by estimated arrival):")
-    print("| B*H x S | heavy tile walking down | heavy tile walking up |")
-    print("|---|---|---|")
-    for seqlen, bh in SHAPES:
-        n_n = seqlen // args.block_n
-        print(f"| {bh} x {seqlen} | " + " | ".join(
-            f"{paired_turns(n_n, bh, args.sms, heavy_down=d):.3f}" for d in (True, False))
-            + " |")
+    ratio = args.block_n // args.block_m
+    table("With the fixed order's turns (add = 0.05 of a tile's compute, ring 2):",
+          ("kernel's order", "lpt 1", "lpt 16", "lpt 64"), args.block_n,
+          lambda n_n, bh: [with_turns(n_n, bh, args.sms, lpt=g) for g in (0, 1, 16, 64)])
+    table("Paired key tiles in the fixed order (static turns by estimated arrival):",
+          ("heavy tile walking down", "heavy tile walking up"), args.block_n,
+          lambda n_n, bh: [paired_turns(n_n, bh, args.sms, ratio=ratio, heavy_down=d)
+                           for d in (True, False)])
 
+
+def table(title: str, columns: tuple[str, ...], block_n: int, cells) -> None:
+    """A markdown table of ``cells(key tiles, batch x heads)`` for each of SHAPES."""
+    print(f"\n{title}\n| B*H x S | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for seqlen, bh in SHAPES:
+        print(f"| {bh} x {seqlen} | "
+              + " | ".join(f"{x:.3f}" for x in cells(seqlen // block_n, bh)) + " |")
 
 if __name__ == "__main__":
     main()
