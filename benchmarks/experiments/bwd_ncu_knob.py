@@ -6,7 +6,7 @@ with ``ncu_rows.py``.
     FLASHTUNE_DB=/nonexistent/d/x.db ncu --profile-from-start off --clock-control none \\
         --section SpeedOfLight --section WarpStateStats --section LaunchStats \\
         --metrics sm__cycles_active.avg,sm__cycles_elapsed.avg --csv --page raw \\
-        python3 benchmarks/experiments/bwd_ncu_knob.py 52 '{"hopper_dq_fixed": 1}' > e52.csv
+        python3 benchmarks/experiments/bwd_ncu_knob.py 6 '{"hopper_dq_fixed": 1}' > e6.csv
 
 Session 58 profiled ``hopper_pair`` (``bwd_causal_pairs.patch`` applied) this way, and the
 fixed dQ order against the free one on a free entry's config (``hopper_dq_fixed``).

@@ -20,7 +20,7 @@ from flashtune.db.exchange import (
 )
 from flashtune.exceptions import ImportValidationError
 from tests.db import _data
-from tests.db._data import A100, H200, SW
+from tests.db._data import A100, H200, OLD_SW, SW
 from tests.db.conftest import BACKENDS
 
 
@@ -55,6 +55,38 @@ def test_export_bytes_do_not_depend_on_insertion_order(tmp_path: Any) -> None:
             b.put_results([r])
         assert export_json(a) == export_json(b)
         assert export_json(a).endswith(b"}\n")
+
+
+def test_export_order_survives_a_relabel() -> None:
+    """A relabel (every entry of one direction moved to a new kernels hash on identical
+    machine code) changes those entries' software lines and nothing else of the export: no
+    entry changes its place, whichever side of the other direction's software fingerprint
+    the new one sorts on."""
+    rng = random.Random(24)
+    rs: dict[tuple[Any, ...], _data.Result] = {}
+    while len(rs) < 30:
+        r = _data.result(rng, device=rng.choice((H200, A100)))
+        r = dataclasses.replace(r, software=SW if r.key.direction == "bwd" else OLD_SW)
+        rs.setdefault((r.device, r.key), r)
+    before = list(rs.values())
+    # New forward hashes whose fingerprints sort below and above the backward's.
+    news = [dataclasses.replace(OLD_SW, kernels_hash=f"{i:064x}") for i in range(1, 40)]
+    low = next(s for s in news if s.fingerprint < SW.fingerprint)
+    high = next(s for s in news if s.fingerprint > SW.fingerprint)
+    with open_storage("sqlite://") as s:
+        s.put_results(before)
+        old = json.loads(export_json(s))["entries"]
+    for new in (low, high):
+        after = [dataclasses.replace(r, software=new) if r.key.direction == "fwd" else r
+                 for r in before]
+        with open_storage("sqlite://") as s:
+            s.put_results(after)
+            got = json.loads(export_json(s))["entries"]
+        assert [(e["device"], e["direction"], e["problem"]) for e in got] == \
+            [(e["device"], e["direction"], e["problem"]) for e in old]
+        assert [e["software"]["kernels_hash"] for e in got] == \
+            [new.kernels_hash if e["direction"] == "fwd" else e["software"]["kernels_hash"]
+             for e in old]
 
 
 def test_export_filters_by_device(tmp_path: Any) -> None:
