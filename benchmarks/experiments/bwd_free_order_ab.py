@@ -1,7 +1,8 @@
-"""The free-order (``deterministic=False``) causal Hopper backward of the tree beside a copy
+"""The free-order (``deterministic=False``) Hopper backward of the tree beside a copy
 of ``attn_bwd_hopper.py``, each with the shipped free config of the shape, interleaved with
 cuDNN's backward (``flashtune.timing.time_interleaved``, L2 flushed before each launch), on
-an sm90 GPU. Prints cuDNN's time over each and the copy's speedup over the tree, and the
+an sm90 GPU, on the standard preset's causal shapes (``--unmasked``: the same shapes without
+the mask). Prints cuDNN's time over each and the copy's speedup over the tree, and the
 largest gradient difference between the two (0 where the config runs the fixed order, whose
 launch the copy may leave unchanged).
 
@@ -16,9 +17,9 @@ copy, the tree left as it is):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-import sys
 
 # (batch, query heads, KV heads, seqlen, head dim): the standard preset's causal rows
 SHAPES = [(b, h, h, s, d) for d, h in ((128, 16), (64, 32))
@@ -26,7 +27,7 @@ SHAPES = [(b, h, h, s, d) for d, h in ((128, 16), (64, 32))
 SHAPES += [(4, 32, 8, 4096, 128), (5, 16, 16, 3000, 128), (16, 16, 16, 1000, 128)]
 
 
-def main(copy_path: str, out_path: str) -> None:
+def main(copy_path: str, out_path: str, causal: bool) -> None:
     import hopper_bwd_ab as hab
     import torch
     import torch.nn.functional as F
@@ -46,21 +47,21 @@ def main(copy_path: str, out_path: str) -> None:
         do = torch.randn_like(q)
         scale = d ** -0.5
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            oc = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hk)
+            oc = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hk)
         fns = {"cudnn": lambda oc=oc, q=q, k=k, v=v, do=do: torch.autograd.grad(
             oc, (q, k, v), do, retain_graph=True)}
         qd, kd, vd = q.detach(), k.detach(), v.detach()
-        o, lse = forward(qd, kd, vd, True, (-1, -1), 0.0, scale)
-        p = dataclasses.replace(problem_of(qd, kd, True, (-1, -1), 0.0), deterministic=False)
+        o, lse = forward(qd, kd, vd, causal, (-1, -1), 0.0, scale)
+        p = dataclasses.replace(problem_of(qd, kd, causal, (-1, -1), 0.0), deterministic=False)
         cfg = shipped_config(p, dev, "bwd")
-        label = f"{b}x{hq}/{hk}x{s}x{d} causal free"
+        label = f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} free"
         if cfg is None or cfg.variant != 3:
             print(f"{label}: no shipped Hopper config", flush=True)
             continue
         grads = {}
         for name, mod in mods.items():
-            g, fns[name] = hab.prepared(mod, do, qd, kd, vd, o, lse, cfg, True, (-1, -1), 0.0,
-                                        scale, False)
+            g, fns[name] = hab.prepared(mod, do, qd, kd, vd, o, lse, cfg, causal, (-1, -1),
+                                        0.0, scale, False)
             fns[name]()
             torch.cuda.synchronize()
             grads[name] = [t.float().clone() for t in g]
@@ -68,7 +69,7 @@ def main(copy_path: str, out_path: str) -> None:
                    for a, c in zip(grads["head"], grads["copy"], strict=True))
         ms = {n: t.median_ms for n, t in zip(fns, time_interleaved(list(fns.values()),
                                                                     rounds=3), strict=True)}
-        out["rows"].append(dict(shape=[b, hq, hk, s, d], ms=ms, max_abs_diff=diff,
+        out["rows"].append(dict(shape=[b, hq, hk, s, d], causal=causal, ms=ms, max_abs_diff=diff,
                                 split=cfg.hopper_split))
         print(f"{label} split {cfg.hopper_split}: cuDNN {ms['cudnn']:.3f} ms, cudnn/x head "
               f"{ms['cudnn'] / ms['head']:.3f} copy {ms['cudnn'] / ms['copy']:.3f}, copy "
@@ -78,4 +79,9 @@ def main(copy_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("copy", help="the module copy to time beside the tree's")
+    ap.add_argument("out", help="JSON to write")
+    ap.add_argument("--unmasked", action="store_true", help="the shapes without a causal mask")
+    args = ap.parse_args()
+    main(args.copy, args.out, not args.unmasked)
