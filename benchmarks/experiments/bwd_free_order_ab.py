@@ -6,8 +6,8 @@ the mask). Prints cuDNN's time over each and the copy's speedup over the tree, a
 largest gradient difference between the two (0 where the config runs the fixed order, whose
 launch the copy may leave unchanged).
 
-Session 58 timed ``bwd_free_rank_major.patch`` this way (the patched module saved as the
-copy, the tree left as it is):
+Session 58 timed ``bwd_free_rank_major.patch`` and ``bwd_free_no_turns.patch`` this way
+(the patched module saved as the copy, the tree left as it is):
 
     git apply benchmarks/experiments/bwd_free_rank_major.patch
     cp flashtune/kernels/attn_bwd_hopper.py /tmp/rank_major.py && git checkout flashtune
@@ -30,10 +30,7 @@ SHAPES += [(4, 32, 8, 4096, 128), (5, 16, 16, 3000, 128), (16, 16, 16, 1000, 128
 def main(copy_path: str, out_path: str, causal: bool) -> None:
     import hopper_bwd_ab as hab
     import torch
-    import torch.nn.functional as F
-    from gpu_hopper_bwd import forward, problem_of
     from hopper_fwd_consumers import shipped_config
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashtune.timing import time_interleaved
 
@@ -41,18 +38,8 @@ def main(copy_path: str, out_path: str, causal: bool) -> None:
     dev = torch.cuda.get_device_name()
     out = {"device": dev, "torch": torch.__version__, "copy": copy_path, "rows": []}
     for b, hq, hk, s, d in SHAPES:
-        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16,
-                            requires_grad=True) for _ in range(2))
-        do = torch.randn_like(q)
-        scale = d ** -0.5
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            oc = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hk)
-        fns = {"cudnn": lambda oc=oc, q=q, k=k, v=v, do=do: torch.autograd.grad(
-            oc, (q, k, v), do, retain_graph=True)}
-        qd, kd, vd = q.detach(), k.detach(), v.detach()
-        o, lse = forward(qd, kd, vd, causal, (-1, -1), 0.0, scale)
-        p = dataclasses.replace(problem_of(qd, kd, causal, (-1, -1), 0.0), deterministic=False)
+        fns, (do, qd, kd, vd, o, lse), p, scale = hab.call_inputs(b, hq, hk, s, d, causal)
+        p = dataclasses.replace(p, deterministic=False)
         cfg = shipped_config(p, dev, "bwd")
         label = f"{b}x{hq}/{hk}x{s}x{d}{' causal' if causal else ''} free"
         if cfg is None or cfg.variant != 3:

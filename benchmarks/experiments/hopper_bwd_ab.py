@@ -128,23 +128,30 @@ SHAPES = [(b, 2048 // d, s, d, c) for d in (64, 128) for c in (False, True)
           for s, b in ((1024, 16), (4096, 4), (16384, 1))]
 
 
-def shape_inputs(shape) -> tuple[dict[str, Any], tuple, Any, float]:
-    """For one of SHAPES: cuDNN's backward as the first entry of the timed callables (on a
-    retained graph), the backward's inputs (dO, Q, K, V, O and the LSE of our forward), the
-    problem and the softmax scale."""
+def call_inputs(b: int, hq: int, hk: int, s: int, d: int, causal: bool,
+                gen: torch.Generator | None = None) -> tuple[dict[str, Any], tuple, Any, float]:
+    """For a dense bf16 call of ``b`` x ``hq``/``hk`` heads x ``s`` x ``d`` (random inputs,
+    from ``gen`` if given): cuDNN's backward as the first entry of the timed callables (on
+    a retained graph), the backward's inputs (dO, Q, K, V, O and the LSE of our forward),
+    the problem and the softmax scale."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    b, h, s, d, causal = shape
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    do = torch.randn_like(q)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen
+                           ).requires_grad_() for h in (hq, hk, hk))
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 1.0 / math.sqrt(d)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        oc = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        oc = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hk)
     fns: dict[str, Any] = {
         "cudnn": lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True)}
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     o, lse = forward(qd, kd, vd, causal, (-1, -1), 0.0, scale)
     return fns, (do, qd, kd, vd, o, lse), problem_of(qd, kd, causal, (-1, -1), 0.0), scale
+
+
+def shape_inputs(shape) -> tuple[dict[str, Any], tuple, Any, float]:
+    """:func:`call_inputs` for one of SHAPES (``b, h, s, d, causal``)."""
+    b, h, s, d, causal = shape
+    return call_inputs(b, h, h, s, d, causal)
 
 
 def bench_shape(mods: dict[str, Any], shape, rounds: int) -> dict:

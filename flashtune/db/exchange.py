@@ -64,17 +64,10 @@ def export_json(storage: Storage, device: str | None = None, *, fresh: bool = Fa
     """The export document of ``storage`` (all results, or those of ``device``: a
     fingerprint or part of a device name; with ``fresh``, only results fresh under this
     machine's software). Identical content gives identical bytes, in the order of
-    :func:`_export_order`."""
+    :func:`~flashtune.db.validation.sort_key`."""
     rs = storage.results(device=device, include_stale=not fresh)
-    entries = [to_entry(r) for r in sorted(rs, key=_export_order)]
+    entries = [to_entry(r) for r in sorted(rs, key=sort_key)]
     return _dump({"format": FORMAT, "format_version": FORMAT_VERSION, "entries": entries})
-
-
-def _export_order(r: Result) -> tuple[Any, ...]:
-    """Device, then problem key, then software: an entry keeps its place when only its
-    software changes (a relabel, or a re-tune under new kernels of the same problem), so
-    two exports of one layer diff line by line instead of moving whole blocks."""
-    return (r.device.fingerprint, r.key, r.software.fingerprint)
 
 
 def _reject_constant(name: str) -> None:
