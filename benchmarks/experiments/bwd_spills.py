@@ -131,6 +131,7 @@ def shipped_report(loops: bool = False) -> None:
               f"{' win' if x['window'] != [-1, -1] else ''} m{cfg.hopper_block_m} "
               f"n{cfg.hopper_block_n} s{cfg.hopper_stages} r{cfg.hopper_regs} "
               f"w{cfg.hopper_walk}{' tma' if cfg.hopper_dkdv_tma else ''}"
+              f"{f' kv_rep={cfg.hopper_kv_rep}' if cfg.hopper_kv_rep > 1 else ''}"
               f"{'' if e['problem'].get('deterministic', True) else ' free'}: "
               f"{ptxas_report(BUILT_PTX['_attn_bwd_hopper_kernel'], loops)}",
               flush=True)
@@ -149,6 +150,8 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="indices into CASES, comma-separated")
     ap.add_argument("--persist", action="store_true",
                     help="CASES with hopper_persist=1 (unmasked cases only)")
+    ap.add_argument("--kv-rep", type=int, default=1, choices=(1, 2, 4),
+                    help="CASES with hopper_kv_rep (GQA cases whose group it divides)")
     ap.add_argument("--dkdv-tma", action="store_true",
                     help="CASES with hopper_dkdv_tma=1 (dK and dV stored with TMA)")
     ap.add_argument("--loops", action="store_true",
@@ -175,7 +178,8 @@ def main() -> None:
                             hopper_dq_frag=int(args.frag),
                             hopper_dq_store_first=args.store_first if det else 0,
                             hopper_persist=int(args.persist and not causal),
-                            hopper_dkdv_tma=int(args.dkdv_tma))
+                            hopper_dkdv_tma=int(args.dkdv_tma),
+                            hopper_kv_rep=args.kv_rep if (hq // hk) % args.kv_rep == 0 else 1)
             BUILT_PTX.clear()
             _, steps = bwd_steps(do, q, k, v, o, lse, causal=causal, sm_scale=default_scale(d),
                                  window=(-1, -1), softcap=0.0, config=cfg, deterministic=det)
@@ -191,7 +195,8 @@ def main() -> None:
                   f"{'det' if det else 'free'}{' groups' if args.groups and det else ''}"
                   f"{' frag' if args.frag else ''}"
                   f"{f' store_first={args.store_first}' if args.store_first and det else ''}"
-                  f"{' dkdv_tma' if args.dkdv_tma else ''}: "
+                  f"{' dkdv_tma' if args.dkdv_tma else ''}"
+                  f"{f' kv_rep={cfg.hopper_kv_rep}' if cfg.hopper_kv_rep > 1 else ''}: "
                   f"{ptxas_report(ptx, args.loops)}", flush=True)
 
 

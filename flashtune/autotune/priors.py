@@ -211,6 +211,25 @@ def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_kv_regs": 1} if p.head_dim <= 64 and p.deterministic else {}
 
 
+def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """Virtual KV heads (``hopper_kv_rep``) for deterministic GQA calls under a mask, whose
+    programs each walk a whole group: r of them per key tile share it. Measured with the
+    shipped configs as a module copy (H200, session 58, ``bwd_gqa_virtual_kv_ab.py``):
+    the heavier a group's walk (group size x keys), the more it paid: r = 4 1.13-1.30x at
+    group x keys >= 32k (4 x 8k, 8 x 4k, 8 x 8k), r = 2 1.04-1.11x at 16k (4 x 4k, 8 x 2k)
+    and 1.08x at 8 x 1k, both slower at 4 x 2k and 4 x 1k (0.89-0.98x) and in the free
+    order at 4 x 4k (0.99x)."""
+    group = p.heads_q // p.heads_kv
+    walk = group * p.seqlen_k
+    if not p.deterministic or not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
+        return {}
+    if walk >= 32 * 1024 and group % 4 == 0:
+        return {"hopper_kv_rep": 4}
+    if walk >= 16 * 1024 or (group >= 8 and walk >= 8 * 1024):
+        return {"hopper_kv_rep": 2} if group % 2 == 0 else {}
+    return {}
+
+
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
 BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
@@ -230,6 +249,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_dkdv_tma)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_kv_rep)),
     ],
 }
 
@@ -238,7 +259,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 # winner_points): the architecture's newest knobs, which winners tuned before they landed
 # never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {
-    9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_persist)}
+    9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_persist,
+        _hopper_kv_rep)}
 
 
 def _major(capability: str) -> int | None:

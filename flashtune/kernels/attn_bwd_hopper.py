@@ -41,6 +41,13 @@ them (one program per SM); on fewer SMs the fixed order would wait for programs 
 cannot start. The one-head-per-program form is the same code with one head, its
 instructions those of the kernel before the knob.
 
+**Virtual KV heads** (``KV_REP``, ``hopper_kv_rep``, GQA): each KV head counts as r
+heads of GQA / r query heads each, r programs per key tile loading the same K and V, so a
+program walks 1/r of the group: under a causal mask the heaviest programs, launched last,
+are r times shorter. Each virtual head's dK and dV go to a partial of their own, summed
+over its r partials in fp32 after the kernel, in one order; dQ's order is per query head
+and unchanged.
+
 **How dK and dV are stored** (``hopper_dkdv_tma``): from the consumers' registers, each
 thread its 4-byte pieces of 64 rows, or each consumer's rows cast into its own K and V
 tiles in shared memory (the products that read them are done; in the fixed order the two
@@ -96,6 +103,7 @@ from flashtune.kernels.attn_fwd_hopper import (
     _descriptor,
     _kv_range,
     _sm_count,
+    _smem_layout,
     _tanh,
     tma_describable,
 )
@@ -158,9 +166,10 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, 
                   GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr,
-                  PERSIST: gl.constexpr):
+                  PERSIST: gl.constexpr, KV_REP: gl.constexpr):
     """The loads: each (batch x KV head) of this program's key tile in turn, one head
-    (the program's) or with PERSIST every G-th (see persistent_heads)."""
+    (the program's) or with PERSIST every G-th (see persistent_heads); with KV_REP the
+    heads are virtual, KV_REP of them reading each KV head's K and V."""
     if PERSIST:
         cnt = gl.to_tensor(0)
         j = gl.to_tensor(0)
@@ -169,14 +178,15 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, 
                                  k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
                                  q_full, q_empty, do_full, do_empty, heads_kv, seq_q, offset,
                                  left, right, n_m, bhk, cnt, j, GQA, WALK, CONSUMERS, BLOCK_M,
-                                 STAGES, ORDER, MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST)
+                                 STAGES, ORDER, MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST,
+                                 KV_REP)
             j += 1
     else:
         _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem, k_smem,
                        v_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_full, q_empty,
                        do_full, do_empty, heads_kv, seq_q, offset, left, right, n_m,
                        0, 0, 0, GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER,
-                       MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST)
+                       MASK_LEFT, MASK_RIGHT, STAGE_LSE, PERSIST, KV_REP)
 
 
 @gluon.jit
@@ -201,7 +211,7 @@ def _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                    GQA: gl.constexpr, WALK: gl.constexpr, CONSUMERS: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGE_LSE: gl.constexpr,
-                   PERSIST: gl.constexpr):
+                   PERSIST: gl.constexpr, KV_REP: gl.constexpr):
     """The producer's loads for (batch x KV head) ``bhk``, its ``j``-th, the stage counter
     at ``cnt_in`` (returned advanced). K and V first; with PERSIST after the head's first Q
     and dO, which so load while the consumers finish the last head."""
@@ -214,8 +224,8 @@ def _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
     hk = bhk % heads_kv
     n0 = pid_n * BLOCK_N
     if not PERSIST:
-        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j, CONSUMERS,
-                 D, False)
+        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk // KV_REP, n0, j,
+                 CONSUMERS, D, False)
     # Query tiles that see this key tile (roles swapped: offset -> -offset, left <-> right).
     lo, full_lo, full_hi, hi = _kv_range(n0, seq_q, -offset, right, left, BLOCK_N, BLOCK_M,
                                          MASK_RIGHT, MASK_LEFT)
@@ -261,12 +271,12 @@ def _producer_head(desc_q, desc_do, desc_k, desc_v, LSE, Delta, q_smem, do_smem,
                                                 delta_dst)
             if PERSIST:
                 if cnt == c0:  # this head's first Q and dO are on their way: now K and V
-                    _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j,
-                             CONSUMERS, D, True)
+                    _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b,
+                             hk // KV_REP, n0, j, CONSUMERS, D, True)
             cnt += 1
     if PERSIST:
         if cnt == c0:  # a head without query tiles: its K and V all the same
-            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk, n0, j,
+            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_ready, kv_empty, b, hk // KV_REP, n0, j,
                      CONSUMERS, D, True)
     return cnt
 
@@ -935,7 +945,7 @@ def _attn_bwd_hopper_kernel(
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
     KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr,
-    DKDV_TMA: gl.constexpr,
+    DKDV_TMA: gl.constexpr, KV_REP: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -1042,7 +1052,7 @@ def _attn_bwd_hopper_kernel(
                                  kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
-                                 MASK_RIGHT, STAGE_LSE, PERSIST)),
+                                 MASK_RIGHT, STAGE_LSE, PERSIST, KV_REP)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
@@ -1069,7 +1079,7 @@ def _attn_bwd_hopper_kernel(
                                  kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                                  heads_kv, seq_q, offset, left, right, n_m,
                                  GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT,
-                                 MASK_RIGHT, STAGE_LSE, PERSIST)),
+                                 MASK_RIGHT, STAGE_LSE, PERSIST, KV_REP)),
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
@@ -1082,7 +1092,7 @@ def _attn_bwd_hopper_kernel(
                              kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                             STAGE_LSE, PERSIST)),
+                             STAGE_LSE, PERSIST, KV_REP)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready, kv_empty, kv_done,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -1111,7 +1121,7 @@ def _attn_bwd_hopper_kernel(
                              kv_ready, kv_empty, q_full, q_empty, do_full, do_empty,
                              heads_kv, seq_q, offset, left, right, n_m,
                              GQA, WALK, CONSUMERS, BLOCK_M, STAGES, ORDER, MASK_LEFT, MASK_RIGHT,
-                             STAGE_LSE, PERSIST)),
+                             STAGE_LSE, PERSIST, KV_REP)),
             (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                              delta_smem, kv_ready, kv_empty, kv_done,
                              q_full, q_empty, do_full, do_empty, ds_ready, ds_free, dq_full,
@@ -1328,6 +1338,11 @@ class HopperBwdLaunch(_Launch):
         c = config
         b, hq, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
+        # hopper_kv_rep: r virtual KV heads per KV head, each with GQA / r of its query
+        # heads; from here on hk counts virtual heads (the producer loads K and V of
+        # hk // r), and dK and dV go to a partial per virtual head (see run).
+        self.kv_rep = c.hopper_kv_rep
+        hk *= self.kv_rep
         left, right, mask_left, mask_right = mask
         qk_scale, cap_scale, cap_log2 = scales
         m, n = c.hopper_block_m, c.hopper_block_n
@@ -1399,11 +1414,17 @@ class HopperBwdLaunch(_Launch):
         # of the whole call's gradients: SplitHopperBwdLaunch).
         dq0, dk0, dv0 = grads or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk_strides, dv_strides = [*dk0.stride()[:3]], [*dv0.stride()[:3]]
+        if self.kv_rep > 1:  # the partials: contiguous (b, r * hk, sk, d)
+            dk_strides = dv_strides = [hk * sk * d, sk * d, d]
         # hopper_dkdv_tma: dK and dV stored through descriptors over the gradients (their
         # strides are the signature's: empty_like of k and v, or views of the whole call's
         # gradients); where TMA cannot describe them, from registers (same values).
         self.dkdv = None
-        if c.hopper_dkdv_tma and not tma_describable(dk0, dv0):
+        if c.hopper_dkdv_tma and self.kv_rep > 1:
+            part = _template((b, hk, sk, d), k.dtype, q.device, [1, 1, ROWS_PER_WG, d],
+                             _smem_layout(ROWS_PER_WG, d, k.dtype))
+            self.dkdv = (part, part)
+        elif c.hopper_dkdv_tma and not tma_describable(dk0, dv0):
             self.dkdv = (template(_descriptor(dk0, ROWS_PER_WG)),
                          template(_descriptor(dv0, ROWS_PER_WG)))
         # hopper_persist (no mask): G programs per key tile, each walking heads g, g + G, ...
@@ -1421,7 +1442,8 @@ class HopperBwdLaunch(_Launch):
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
                  STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
                  KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
-                 PERSIST=persist, DKDV_TMA=self.dkdv is not None, num_warps=4), 10)
+                 PERSIST=persist, DKDV_TMA=self.dkdv is not None, KV_REP=self.kv_rep,
+                 num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         if self.frag:
             self.finish = BoundLaunch(
@@ -1467,10 +1489,20 @@ class HopperBwdLaunch(_Launch):
             sem.zero_()
         rows = ((descriptor_like(self.rows, lse), descriptor_like(self.rows, delta))
                 if self.rows is not None else (lse, delta))
-        grads = ((descriptor_like(self.dkdv[0], dk), descriptor_like(self.dkdv[1], dv))
-                 if self.dkdv is not None else (dk, dv))
+        # hopper_kv_rep: each virtual KV head's dK and dV partial, summed afterwards in
+        # fp32, in one order (the partials' index), into the call's dK and dV.
+        parts = (dk, dv) if self.kv_rep == 1 else tuple(
+            torch.empty(t.shape[0], t.shape[1] * self.kv_rep, *t.shape[2:], device=t.device,
+                        dtype=t.dtype) for t in (dk, dv))
+        grads = ((descriptor_like(self.dkdv[0], parts[0]),
+                  descriptor_like(self.dkdv[1], parts[1]))
+                 if self.dkdv is not None else parts)
         self.main(descriptor_like(tq, q), descriptor_like(tdo, do), descriptor_like(tk, k),
                   descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), *grads, sem)
+        if self.kv_rep > 1:
+            for out, part in zip((dk, dv), parts, strict=True):
+                b, hk, sk, d = out.shape
+                out.copy_(part.view(b, hk, self.kv_rep, sk, d).sum(2, dtype=torch.float32))
         self.finish(dq_acc, dq)
 
 

@@ -216,6 +216,12 @@ class BwdConfig:
                                "each walking its heads in turn and loading the next head's "
                                "first Q and dO while it finishes the last (0: one program per "
                                "key tile and head)", variants=_BH)
+    hopper_kv_rep: int = knob(1, (1, 2, 4), "Hopper, GQA: r programs per key tile and KV "
+                              "head, each loading its K and V and walking 1/r of the "
+                              "group's query heads into a dK and dV partial of its own, "
+                              "summed in a fixed order after the kernel: r times shorter "
+                              "programs, a shorter tail of heavy ones under a causal mask "
+                              "(1: one program walks the whole group)", variants=_BH)
     hopper_dkdv_tma: int = knob(0, (0, 1), "Hopper: 1 stores dK and dV through shared memory "
                                 "(the K and V tiles' buffers) with TMA, 0 from registers "
                                 "(same values)", variants=_BH)
@@ -647,6 +653,11 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_groups=1 and hopper_dq_frag=1 are two layouts of one dQ "
             "staging buffer; set one of them")
+    if (p.heads_q // p.heads_kv) % c.hopper_kv_rep:
+        raise InfeasibleConfigError(
+            f"bwd hopper: hopper_kv_rep={c.hopper_kv_rep} splits each KV head's group of "
+            f"{p.heads_q // p.heads_kv} query heads into {c.hopper_kv_rep} equal parts; use a "
+            f"divisor of the group (1 always fits)")
     if c.hopper_persist and (p.causal or tuple(p.window) != (-1, -1)):
         raise InfeasibleConfigError(
             "bwd hopper: hopper_persist=1 walks heads of whole key tiles, for calls without "

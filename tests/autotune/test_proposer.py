@@ -9,6 +9,7 @@ order of events can be checked without kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import types
@@ -581,6 +582,37 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)
             assert config.is_feasible(config.BwdConfig(**pt), p)[0]
             assert BWD.project(pt) == pt
+
+
+def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hopper_kv_rep`` is seeded for deterministic GQA calls under a mask by the group's
+    walk (query heads per KV head x keys), as session 58 measured it: 4 at 32k and more,
+    2 at 16k (or 8k with groups of 8), none below, none unmasked, in the free order or for
+    groups under 4; the seed is the last prior point, an earlier one (the call in two
+    halves) with the knob, and the move is one of those tried on stale and shipped
+    winners."""
+    from flashtune.autotune.priors import WINNER_MOVES, _hopper_kv_rep, prior_points
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    for hq, hk, keys, want in ((32, 8, 8192, 4), (64, 8, 4096, 4), (32, 8, 4096, 2),
+                               (64, 8, 2048, 2), (64, 8, 1024, 2), (32, 8, 2048, None),
+                               (32, 8, 1024, None), (16, 8, 16384, None),
+                               (24, 4, 8192, 2), (28, 4, 8192, None)):
+        p = Problem(batch=2, heads_q=hq, heads_kv=hk, seqlen_q=keys, seqlen_k=keys,
+                    head_dim=128, causal=True)
+        hopper = [pt for pt in prior_points("bwd", p, "9.0")
+                  if pt["variant"] == config.BWD_HOPPER]
+        got = [pt["hopper_kv_rep"] for pt in hopper if pt["hopper_kv_rep"] != 1]
+        assert got == ([want] if want else []), (hq, hk, keys)
+        if want:
+            assert hopper[-1]["hopper_kv_rep"] == want
+            assert {**hopper[-1], "hopper_kv_rep": 1} in hopper[:-1]  # the split point
+            assert config.is_feasible(config.BwdConfig(**hopper[-1]), p)[0]
+        for other in (dataclasses.replace(p, causal=False),
+                      dataclasses.replace(p, deterministic=False)):
+            assert _hopper_kv_rep({}, other) == {}
+    assert _hopper_kv_rep in WINNER_MOVES[9]
 
 
 def test_the_prior_points_are_seeded_after_the_default_and_before_the_variants() -> None:

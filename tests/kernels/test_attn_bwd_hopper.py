@@ -460,6 +460,51 @@ def _dkdv_tma(seed: int) -> list[str]:
     return failures
 
 
+def _kv_rep(seed: int) -> list[str]:
+    """``hopper_kv_rep`` (virtual KV heads): r programs per key tile and KV head, each over
+    1/r of the group's query heads, dK and dV summed from per-program partials after the
+    kernel. Against the reference; in the fixed order the same bits call after call and as
+    the tuner times it (dQ's order is the one-program order's, dK's and dV's their own);
+    in the free order within rounding of r = 1. Causal with Sq != Sk, groups of 2, 4 and 8,
+    a window in two halves, the unmasked persistent grid, dK and dV through TMA, fp16 at
+    D=64, and more programs than one wave."""
+    import torch
+
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout, knobs in (
+            (Problem(2, 8, 2, 1024, 1024, 128, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 2}),
+            (Problem(2, 8, 2, 1024, 1024, 128, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 4}),
+            (Problem(1, 4, 2, 1000, 1100, 128, "bf16", True, deterministic=True), "bshd",
+             {"hopper_kv_rep": 2}),
+            (Problem(1, 16, 2, 700, 700, 128, "bf16", False, (200, 30), deterministic=True),
+             "bshd", {"hopper_kv_rep": 4, "hopper_split": 2}),
+            (Problem(4, 8, 2, 1024, 1024, 128, "bf16", False, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 2, "hopper_persist": 1}),
+            (Problem(2, 8, 2, 1024, 1024, 128, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 2, "hopper_dkdv_tma": 1}),
+            (Problem(2, 8, 2, 900, 900, 64, "fp16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 4}),
+            (Problem(4, 32, 8, 4100, 4100, 128, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 2}),
+            (Problem(2, 8, 2, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_kv_rep": 2})):
+        rest = {k: v for k, v in knobs.items() if k != "hopper_kv_rep"}
+        base = dataclasses.replace(default_bwd(p, BWD_HOPPER), **{"hopper_split": 1, **rest})
+        cand = dataclasses.replace(base, hopper_kv_rep=knobs["hopper_kv_rep"])
+        # The fixed order's dK and dV are summed in another order: its bits are its own,
+        # compared with themselves; the free order with one program per KV head.
+        failures += _against_base(p, layout, gen, cand if p.deterministic else base, cand,
+                                  f"kv_rep {knobs}", "its own first call's" if p.deterministic
+                                  else "one program per KV head's")
+    return failures
+
+
 def _defaults(seed: int) -> list[str]:
     """What a call with no tuned entry is served from 1k queries and keys (session 42's
     default rule): the Hopper backward's default config, K and V in registers at D=64,
@@ -515,7 +560,8 @@ def needs_hopper() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
-                                   "_store_first", "_split", "_persist", "_dkdv_tma"])
+                                   "_store_first", "_split", "_persist", "_dkdv_tma",
+                                   "_kv_rep"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

@@ -198,7 +198,7 @@ def test_active_fields_and_round_trip() -> None:
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
             "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
-            "hopper_persist", "hopper_dkdv_tma",
+            "hopper_persist", "hopper_dkdv_tma", "hopper_kv_rep",
             "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
@@ -769,3 +769,30 @@ def test_persist_is_an_unmasked_one_launch_knob(on_hopper: None) -> None:
     assert persistent_heads(8, 256, 132) == 16
     assert persistent_heads(8, 3, 132) == 3
     assert persistent_heads(200, 16, 132) == 1
+
+
+def test_kv_rep_splits_a_group_into_equal_parts(on_hopper: None) -> None:
+    """``hopper_kv_rep=r`` runs r programs per key tile and KV head, each over 1/r of the
+    group's query heads: any r that divides the group, masked or not, in either order;
+    another r gets the reason and what fits; 1 fits every call."""
+    for hq, hk in ((8, 2), (16, 2), (4, 2)):
+        for r in (1, 2, 4):
+            for causal, det in ((True, True), (False, False)):
+                p = dataclasses.replace(P, heads_q=hq, heads_kv=hk, causal=causal,
+                                        deterministic=det)
+                cfg = dataclasses.replace(HOP, hopper_kv_rep=r)
+                if (hq // hk) % r:
+                    with pytest.raises(InfeasibleConfigError,
+                                       match=f"group of {hq // hk} query heads into {r}"):
+                        check_bwd(cfg, p)
+                else:
+                    check_bwd(cfg, p)
+    one = dataclasses.replace(P, heads_q=6, heads_kv=6)
+    check_bwd(HOP, one)
+    with pytest.raises(InfeasibleConfigError, match="a divisor of the group"):
+        check_bwd(dataclasses.replace(HOP, hopper_kv_rep=2), one)
+    # Configs written before the knob read as one program per KV head.
+    old = config_to_dict(HOP)
+    del old["hopper_kv_rep"]
+    assert config_from_dict("bwd", old).hopper_kv_rep == 1
+
