@@ -212,21 +212,25 @@ def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 
 
 def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
-    """Virtual KV heads (``hopper_kv_rep``) for deterministic GQA calls under a mask, whose
-    programs each walk a whole group: r of them per key tile share it. Measured with the
-    shipped configs as a module copy (H200, session 58, ``bwd_gqa_virtual_kv_ab.py``):
-    the heavier a group's walk (group size x keys), the more it paid: r = 4 1.13-1.30x at
-    group x keys >= 32k (4 x 8k, 8 x 4k, 8 x 8k), r = 2 1.04-1.11x at 16k (4 x 4k, 8 x 2k)
-    and 1.08x at 8 x 1k, both slower at 4 x 2k and 4 x 1k (0.89-0.98x) and in the free
-    order at 4 x 4k (0.99x)."""
+    """Virtual KV heads (``hopper_kv_rep``) for GQA calls under a mask, whose programs each
+    walk a whole group: r of them per key tile share it. Measured with the shipped configs
+    as a module copy (H200, session 58, ``bwd_gqa_virtual_kv_ab.py``): the heavier a
+    group's walk (group size x keys), the more it paid: r = 4 1.13-1.30x at group x keys
+    >= 32k (4 x 8k, 8 x 4k, 8 x 8k), r = 2 1.04-1.11x at 16k (4 x 4k, 8 x 2k) and 1.08x
+    at 8 x 1k, both slower at 4 x 2k and 4 x 1k (0.89-0.98x) and in the free order at
+    4 x 4k (0.99x); as the config field (session 59, ``retime_knob.py``) the same split:
+    1.02-1.25x where this seeds it, 0.87-0.98x at 4 x 2k and 4 x 1k. A
+    ``deterministic=False`` call takes it in the fixed order (``hopper_dq_fixed``): there
+    4 x 4k ran 1.02x its free-order entry (session 59), in the free order 0.99x."""
     group = p.heads_q // p.heads_kv
     walk = group * p.seqlen_k
-    if not p.deterministic or not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
+    if not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
         return {}
+    fixed = {} if p.deterministic else {"hopper_dq_fixed": 1}
     if walk >= 32 * 1024 and group % 4 == 0:
-        return {"hopper_kv_rep": 4}
-    if walk >= 16 * 1024 or (group >= 8 and walk >= 8 * 1024):
-        return {"hopper_kv_rep": 2} if group % 2 == 0 else {}
+        return {"hopper_kv_rep": 4, **fixed}
+    if (walk >= 16 * 1024 or (group >= 8 and walk >= 8 * 1024)) and group % 2 == 0:
+        return {"hopper_kv_rep": 2, **fixed}
     return {}
 
 

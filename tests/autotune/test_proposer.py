@@ -586,12 +586,13 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
 
 def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``hopper_kv_rep`` is seeded for deterministic GQA calls under a mask by the group's
-    walk (query heads per KV head x keys), as session 58 measured it: 4 at 32k and more,
-    2 at 16k (or 8k with groups of 8), none below, none unmasked, in the free order or for
-    groups under 4; the seed is the last prior point, an earlier one (the call in two
-    halves) with the knob, and the move is one of those tried on stale and shipped
-    winners."""
+    """``hopper_kv_rep`` is seeded for GQA calls under a mask by the group's walk (query
+    heads per KV head x keys), as sessions 58 and 59 measured it: 4 at 32k and more, 2 at
+    16k (or 8k with groups of 8), none below, none unmasked or for groups under 4; a
+    ``deterministic=False`` call gets it in the fixed order, never in the free one. The
+    seed is the last prior point, an earlier one (the call in two halves) with the knob,
+    and the move is one of those tried on stale and shipped winners (a free-order winner
+    moved into the fixed order with it)."""
     from flashtune.autotune.priors import WINNER_MOVES, _hopper_kv_rep, prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -609,9 +610,17 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
             assert hopper[-1]["hopper_kv_rep"] == want
             assert {**hopper[-1], "hopper_kv_rep": 1} in hopper[:-1]  # the split point
             assert config.is_feasible(config.BwdConfig(**hopper[-1]), p)[0]
-        for other in (dataclasses.replace(p, causal=False),
-                      dataclasses.replace(p, deterministic=False)):
-            assert _hopper_kv_rep({}, other) == {}
+        assert _hopper_kv_rep({}, dataclasses.replace(p, causal=False)) == {}
+        free = dataclasses.replace(p, deterministic=False)
+        assert _hopper_kv_rep({"hopper_dq_fixed": 0}, free) == (
+            {"hopper_kv_rep": want, "hopper_dq_fixed": 1} if want else {})
+        last = [pt for pt in prior_points("bwd", free, "9.0")
+                if pt["variant"] == config.BWD_HOPPER][-1]
+        if want:
+            assert (last["hopper_kv_rep"], last["hopper_dq_fixed"]) == (want, 1)
+            assert config.is_feasible(config.BwdConfig(**last), free)[0]
+        else:
+            assert last["hopper_kv_rep"] == 1
     assert _hopper_kv_rep in WINNER_MOVES[9]
 
 
