@@ -93,8 +93,11 @@ def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
         p = Problem.from_dict(e["example"])
         row: dict[str, Any] = {"index": index, "key": e["problem"], "example": e["example"],
                                "config": e["config"], "software": e["software"]}
-        if not set(knobs) <= set(active_fields(type(cfg), cfg.variant)):
-            continue  # a kernel variant without these knobs
+        # A kernel variant without these knobs (a knob set with "variant" is a whole other
+        # config: the check below judges it).
+        if "variant" not in knobs and not set(knobs) <= set(active_fields(type(cfg),
+                                                                          cfg.variant)):
+            continue
         if p.batch * p.heads_kv < min_bh:
             continue
         if masked and not (p.causal or tuple(p.window) != (-1, -1)):

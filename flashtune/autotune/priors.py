@@ -63,6 +63,7 @@ from flashtune.kernels.config import (
     BwdConfig,
     InfeasibleConfigError,
     active_fields,
+    config_fields,
     config_to_dict,
     default_bwd,
     is_feasible,
@@ -221,7 +222,11 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     4 x 4k (0.99x); as the config field (session 59, ``retime_knob.py``) the same split:
     1.02-1.25x where this seeds it, 0.87-0.98x at 4 x 2k and 4 x 1k. A
     ``deterministic=False`` call takes it in the fixed order (``hopper_dq_fixed``): there
-    4 x 4k ran 1.02x its free-order entry (session 59), in the free order 0.99x."""
+    4 x 4k ran 1.02x its free-order entry (session 59), in the free order 0.99x. An odd
+    group has no such r: it takes r = the group (one query head per program) from 12k,
+    as groups of 7 measured (session 59): 1.32x and 1.33x the portable winners at 7 x 8k
+    and 7 x 4k, 1.20x the one-program Hopper entry at 7 x 2k, 1.00x at 7 x 1k; a group
+    of 8 ran 0.93-0.95x with r = 8 against its r = 2 or 4."""
     group = p.heads_q // p.heads_kv
     walk = group * p.seqlen_k
     if not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
@@ -231,7 +236,14 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
         return {"hopper_kv_rep": 4, **fixed}
     if (walk >= 16 * 1024 or (group >= 8 and walk >= 8 * 1024)) and group % 2 == 0:
         return {"hopper_kv_rep": 2, **fixed}
+    if group % 2 and walk >= 12 * 1024 and group in _kv_rep_choices():
+        return {"hopper_kv_rep": group, **fixed}
     return {}
+
+
+def _kv_rep_choices() -> tuple[int, ...]:
+    """The values ``BwdConfig.hopper_kv_rep`` may take."""
+    return config_fields(BwdConfig)["hopper_kv_rep"]
 
 
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)

@@ -122,7 +122,8 @@ class SearchSpace:
         there (1 is for ``deterministic=False`` calls; the feasibility rules refuse it), and
         neither the sampler nor a polishing walk spends a pick on it. Likewise
         ``hopper_kv_regs`` stays at 0 where the head dim is not 64 (K and V only fit in
-        registers there)."""
+        registers there), and ``hopper_kv_rep`` at the divisors of the GQA group (the
+        feasibility rules refuse any other; an MHA call keeps 1)."""
         out = self
         if self.direction != "bwd":
             return out
@@ -130,6 +131,11 @@ class SearchSpace:
             out = out.restrict(hopper_dq_fixed=0)
         if problem.head_dim != 64 and len(out.fields.get("hopper_kv_regs", ())) > 1:
             out = out.restrict(hopper_kv_regs=0)
+        reps = out.fields.get("hopper_kv_rep", ())
+        group = problem.heads_q // problem.heads_kv
+        fits = tuple(r for r in reps if group % r == 0)
+        if len(reps) > 1 and fits != reps:
+            out = out.restrict(hopper_kv_rep=fits or 1)
         return out
 
     @property

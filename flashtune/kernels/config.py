@@ -216,12 +216,13 @@ class BwdConfig:
                                "each walking its heads in turn and loading the next head's "
                                "first Q and dO while it finishes the last (0: one program per "
                                "key tile and head)", variants=_BH)
-    hopper_kv_rep: int = knob(1, (1, 2, 4), "Hopper, GQA: r programs per key tile and KV "
-                              "head, each loading its K and V and walking 1/r of the "
-                              "group's query heads into a dK and dV partial of its own, "
-                              "summed in a fixed order after the kernel: r times shorter "
-                              "programs, a shorter tail of heavy ones under a causal mask "
-                              "(1: one program walks the whole group)", variants=_BH)
+    hopper_kv_rep: int = knob(1, (1, 2, 3, 4, 5, 6, 7, 8), "Hopper, GQA: r programs per "
+                              "key tile and KV head (r divides the group), each loading its "
+                              "K and V and walking 1/r of the group's query heads into a dK "
+                              "and dV partial of its own, summed in a fixed order after the "
+                              "kernel: r times shorter programs, a shorter tail of heavy "
+                              "ones under a causal mask (1: one program walks the whole "
+                              "group)", variants=_BH)
     hopper_dkdv_tma: int = knob(0, (0, 1), "Hopper: 1 stores dK and dV through shared memory "
                                 "(the K and V tiles' buffers) with TMA, 0 from registers "
                                 "(same values)", variants=_BH)

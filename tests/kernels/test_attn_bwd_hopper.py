@@ -465,9 +465,10 @@ def _kv_rep(seed: int) -> list[str]:
     1/r of the group's query heads, dK and dV summed from per-program partials after the
     kernel. Against the reference; in the fixed order the same bits call after call and as
     the tuner times it (dQ's order is the one-program order's, dK's and dV's their own);
-    in the free order within rounding of r = 1. Causal with Sq != Sk, groups of 2, 4 and 8,
-    a window in two halves, the unmasked persistent grid, dK and dV through TMA, fp16 at
-    D=64, and more programs than one wave."""
+    in the free order within rounding of r = 1. Causal with Sq != Sk, groups of 2, 4, 6, 7
+    and 8, r up to the whole group (3 of 6, 7 of 7, 8 of 8), a window in two halves, the
+    unmasked persistent grid, dK and dV through TMA, fp16 at D=64, and more programs than
+    one wave."""
     import torch
 
     from flashtune.kernels.config import BWD_HOPPER, default_bwd
@@ -493,7 +494,13 @@ def _kv_rep(seed: int) -> list[str]:
             (Problem(4, 32, 8, 4100, 4100, 128, "bf16", True, deterministic=True), "bhsd",
              {"hopper_kv_rep": 2}),
             (Problem(2, 8, 2, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd",
-             {"hopper_kv_rep": 2})):
+             {"hopper_kv_rep": 2}),
+            (Problem(1, 14, 2, 1000, 1000, 128, "bf16", True, deterministic=True), "bshd",
+             {"hopper_kv_rep": 7}),
+            (Problem(2, 12, 2, 700, 900, 128, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_rep": 3}),
+            (Problem(1, 16, 2, 1100, 1100, 128, "bf16", False, (300, 0),
+                     deterministic=True), "bhsd", {"hopper_kv_rep": 8})):
         rest = {k: v for k, v in knobs.items() if k != "hopper_kv_rep"}
         base = dataclasses.replace(default_bwd(p, BWD_HOPPER), **{"hopper_split": 1, **rest})
         cand = dataclasses.replace(base, hopper_kv_rep=knobs["hopper_kv_rep"])

@@ -774,9 +774,10 @@ def test_persist_is_an_unmasked_one_launch_knob(on_hopper: None) -> None:
 def test_kv_rep_splits_a_group_into_equal_parts(on_hopper: None) -> None:
     """``hopper_kv_rep=r`` runs r programs per key tile and KV head, each over 1/r of the
     group's query heads: any r that divides the group, masked or not, in either order;
-    another r gets the reason and what fits; 1 fits every call."""
-    for hq, hk in ((8, 2), (16, 2), (4, 2)):
-        for r in (1, 2, 4):
+    another r gets the reason and what fits; 1 fits every call. A search over a problem
+    offers only the divisors of its group (an MHA call: 1 alone)."""
+    for hq, hk in ((8, 2), (16, 2), (4, 2), (14, 2), (12, 2)):
+        for r in (1, 2, 3, 4, 7, 8):
             for causal, det in ((True, True), (False, False)):
                 p = dataclasses.replace(P, heads_q=hq, heads_kv=hk, causal=causal,
                                         deterministic=det)
@@ -791,6 +792,15 @@ def test_kv_rep_splits_a_group_into_equal_parts(on_hopper: None) -> None:
     check_bwd(HOP, one)
     with pytest.raises(InfeasibleConfigError, match="a divisor of the group"):
         check_bwd(dataclasses.replace(HOP, hopper_kv_rep=2), one)
+    full = SearchSpace.full("bwd")
+    assert full.fields["hopper_kv_rep"] == tuple(range(1, 9))
+    for hq, hk, want in ((32, 8, (1, 2, 4)), (28, 4, (1, 7)), (64, 8, (1, 2, 4, 8)),
+                         (24, 4, (1, 2, 3, 6)), (16, 16, (1,)), (40, 8, (1, 5))):
+        p = dataclasses.replace(P, heads_q=hq, heads_kv=hk)
+        space = full.for_problem(p)
+        assert space.fields["hopper_kv_rep"] == want, (hq, hk)
+        assert all(n["hopper_kv_rep"] in want
+                   for n in space.neighbours(config_to_dict(HOP), 1))
     # Configs written before the knob read as one program per KV head.
     old = config_to_dict(HOP)
     del old["hopper_kv_rep"]
