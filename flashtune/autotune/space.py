@@ -134,8 +134,8 @@ class SearchSpace:
         reps = out.fields.get("hopper_kv_rep", ())
         group = problem.heads_q // problem.heads_kv
         fits = tuple(r for r in reps if group % r == 0)
-        if len(reps) > 1 and fits != reps:
-            out = out.restrict(hopper_kv_rep=fits or 1)
+        if fits and fits != reps:  # (none fits: a space narrowed by hand, left as given)
+            out = out.restrict(hopper_kv_rep=fits)
         return out
 
     @property

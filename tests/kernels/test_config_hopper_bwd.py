@@ -801,6 +801,11 @@ def test_kv_rep_splits_a_group_into_equal_parts(on_hopper: None) -> None:
         assert space.fields["hopper_kv_rep"] == want, (hq, hk)
         assert all(n["hopper_kv_rep"] in want
                    for n in space.neighbours(config_to_dict(HOP), 1))
+    narrowed = full.restrict(hopper_kv_rep=(2, 4))
+    mha = dataclasses.replace(P, heads_q=16, heads_kv=16)
+    assert narrowed.for_problem(mha).fields["hopper_kv_rep"] == (2, 4)  # as given
+    assert narrowed.for_problem(
+        dataclasses.replace(P, heads_q=16, heads_kv=8)).fields["hopper_kv_rep"] == (2,)
     # Configs written before the knob read as one program per KV head.
     old = config_to_dict(HOP)
     del old["hopper_kv_rep"]
