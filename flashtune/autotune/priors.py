@@ -225,8 +225,9 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     4 x 4k ran 1.02x its free-order entry (session 59), in the free order 0.99x. An odd
     group has no such r: it takes r = the group (one query head per program) from 12k,
     as groups of 7 measured (session 59): 1.32x and 1.33x the portable winners at 7 x 8k
-    and 7 x 4k, 1.20x the one-program Hopper entry at 7 x 2k, 1.00x at 7 x 1k; a group
-    of 8 ran 0.93-0.95x with r = 8 against its r = 2 or 4."""
+    and 7 x 4k, 1.20x the one-program Hopper entry at 7 x 2k, 1.00x at 7 x 1k (groups
+    of 5 and 3 follow by analogy, unmeasured); a group of 8 ran 0.93-0.95x with r = 8
+    against its r = 2 or 4."""
     group = p.heads_q // p.heads_kv
     walk = group * p.seqlen_k
     if not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
