@@ -212,6 +212,26 @@ def _hopper_kv_regs(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {"hopper_kv_regs": 1} if p.head_dim <= 64 and p.deterministic else {}
 
 
+def _hopper_kv_regs_masked(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """K and V in registers (as :func:`_hopper_kv_regs`) for calls under a mask only, on
+    the point with every later knob: 8x32x2048x64 causal, whose searches had kept a
+    portable winner, ran 1.064x as fast with the 4x32x4096x64 causal winner's config
+    (this point but for its store-first form) and took it (H200, session 60,
+    ``retime_knob.py``, the tuner's gate and timing); unmasked, the same registers ran the
+    8x32x2048x64 winner 0.91x."""
+    return _hopper_kv_regs(c, p) if p.causal or tuple(p.window) != (-1, -1) else {}
+
+
+def _hopper_newest(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """dQ staged in register order, its first turn stored, dK and dV stored with TMA: the
+    knobs of sessions 48, 52 and 56 in one move, for winners tuned before them. One at a
+    time they can lose where together they win: on eight GQA causal H200 winners of 1k-8k
+    keys searched before session 48 (H200, session 60), register order alone ran
+    0.99-1.10x (six of them), the three together 0.97-1.13x, 1.02-1.13x on six (the 8k
+    window 0.99x alone, 1.11x together)."""
+    return {**_hopper_frag(c, p), **_hopper_store_first(c, p), **_hopper_dkdv_tma(c, p)}
+
+
 def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """Virtual KV heads (``hopper_kv_rep``) for GQA calls under a mask, whose programs each
     walk a whole group: r of them per key tile share it. Measured with the shipped configs
@@ -265,6 +285,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_dkdv_tma)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dkdv_tma, _hopper_kv_regs_masked)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep)),
@@ -276,8 +298,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
 # winner_points): the architecture's newest knobs, which winners tuned before they landed
 # never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {
-    9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_persist,
-        _hopper_kv_rep)}
+    9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_newest,
+        _hopper_persist, _hopper_kv_rep)}
 
 
 def _major(capability: str) -> int | None:

@@ -650,9 +650,10 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     ``hopper_split`` and ``hopper_dkdv_tma``) is followed in the seeds by itself with each
     knob: store-first =2 beyond 1k keys, =1 up to it, and in the fixed order for a
     ``deterministic=False`` call; split in two where there are two sequences or KV heads;
-    dK and dV stored with TMA. No such point for a winner a knob cannot serve
-    (store-first: dQ staged in rows; all: a portable kernel), the forward or another
-    architecture."""
+    dK and dV stored with TMA; then the three together, dQ staged in register order (a
+    winner staging it in rows or column groups moves to it). No such point for a winner a
+    knob cannot serve (store-first alone: dQ staged in rows; all: a portable kernel), the
+    forward or another architecture."""
     from dataclasses import replace
 
     from flashtune.autotune.priors import winner_points
@@ -668,22 +669,28 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     assert won["hopper_dq_frag"] == 1 and won["hopper_dq_store_first"] == 0
     split = {**won, "hopper_split": 2}
     tma = {**won, "hopper_dkdv_tma": 1}
+    both = {**tma, "hopper_dq_store_first": 2}  # the knobs together (_hopper_newest)
     assert winner_points("bwd", won, p, "9.0") == [{**won, "hopper_dq_store_first": 2}, split,
-                                                   tma]
+                                                   tma, both]
     short = replace(p, seqlen_q=1000, seqlen_k=1000)
     assert winner_points("bwd", won, short, "9.0") == [{**won, "hopper_dq_store_first": 1},
-                                                       split, tma]
+                                                       split, tma,
+                                                       {**tma, "hopper_dq_store_first": 1}]
     free = replace(p, deterministic=False)
     assert winner_points("bwd", won, free, "9.0") == [
-        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split, tma]
+        {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split, tma,
+        {**both, "hopper_dq_fixed": 1}]
     # One sequence of one KV head: nothing to split.
     alone = replace(p, batch=1, heads_q=1, heads_kv=1)
     assert winner_points("bwd", won, alone, "9.0") == [{**won, "hopper_dq_store_first": 2},
-                                                       tma]
-    rows = {**won, "hopper_dq_frag": 0}
+                                                       tma, both]
+    # dQ staged in rows or column groups: store-first cannot serve it alone; all three
+    # knobs together move it to register order.
+    rows = {**won, "hopper_dq_frag": 0, "hopper_dq_groups": 1}
     portable = config_to_dict(config.default_bwd(p, BWD_ONE_LAUNCH))
-    assert winner_points("bwd", rows, p, "9.0") == [{**rows, "hopper_split": 2},
-                                                    {**rows, "hopper_dkdv_tma": 1}]
+    assert winner_points("bwd", rows, p, "9.0") == [
+        {**rows, "hopper_split": 2}, {**rows, "hopper_dkdv_tma": 1},
+        {**both, "hopper_dq_groups": 0}]
     assert winner_points("bwd", portable, p, "9.0") == []
     assert winner_points("bwd", won, p, "8.0") == winner_points("fwd", won, p, "9.0") == []
     assert winner_points("bwd", {**won, "hopper_dq_store_first": 2, "hopper_split": 2,
@@ -699,11 +706,12 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
         st.put_result(here, before, p.key("bwd"), won, problem=p, tflops=1.0, median_ms=2.0,
                       p20_ms=2.0, p80_ms=2.0, max_error=0.0, trials=9, search_seconds=1.0)
         seeds = _seed_configs(st, here, now, p, "bwd", BWD, shipped=False)
-    assert [s for _, s in seeds[:5]] == ["stale", "stale+", "stale+", "stale+", "default"]
+    assert [s for _, s in seeds[:6]] == ["stale"] + ["stale+"] * 4 + ["default"]
     assert seeds[0][0] == BWD.project(won)
     assert seeds[1][0] == BWD.project({**won, "hopper_dq_store_first": 2})
     assert seeds[2][0] == BWD.project(split)
     assert seeds[3][0] == BWD.project(tma)
+    assert seeds[4][0] == BWD.project(both)
     # Such a search measures the winner's knob point too, however short its budget.
     assert seeded_min_trials(seeds) == STALE_MIN_TRIALS > 2
     assert seeded_min_trials([(won, "shipped"), (won, "shipped+")]) == STALE_MIN_TRIALS
@@ -780,6 +788,35 @@ def test_backwards_are_seeded_with_tma_stores_of_dk_and_dv(
                    if pt["variant"] != config.BWD_HOPPER)
     free = replace(p, head_dim=64, causal=False, deterministic=False)
     assert any(pt.get("hopper_dkdv_tma") for pt in prior_points("bwd", free, "9.0"))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (255, 0)])
+def test_masked_head_dim_64_backwards_are_seeded_with_k_and_v_in_registers_beside_every_knob(
+        window: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a causal mask or a window, a deterministic head-dim-64 call gets one more
+    Hopper prior point: the 128-row point with every later knob (register-order dQ, its
+    first turn stored, two halves, TMA dK/dV) and K and V back in registers. Not
+    unmasked, not at head dim 128, not in the free dQ order (K and V in registers with
+    128-row tiles lost there)."""
+    from dataclasses import replace
+
+    from flashtune.autotune.priors import prior_points
+
+    monkeypatch.setattr(config, "hopper_support", lambda: "")
+    p = Problem(batch=8, heads_q=32, heads_kv=32, seqlen_q=2048, seqlen_k=2048, head_dim=64,
+                causal=window == (-1, -1), window=window, deterministic=True)
+    newest = {"hopper_block_m": 128, "hopper_dq_frag": 1, "hopper_dq_groups": 0,
+              "hopper_dq_store_first": 2, "hopper_split": 2, "hopper_dkdv_tma": 1}
+    base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
+    points = prior_points("bwd", p, "9.0")
+    want = {**base, **newest, "hopper_kv_regs": 1}
+    assert want in points
+    assert points.index(want) == points.index({**want, "hopper_kv_regs": 0}) + 1
+    assert config.is_feasible(config.BwdConfig(**want), p)[0]
+    for other in (replace(p, causal=False, window=(-1, -1)), replace(p, deterministic=False),
+                  replace(p, head_dim=128)):
+        assert not any(pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]
+                       and pt["hopper_kv_regs"] for pt in prior_points("bwd", other, "9.0"))
 
 
 def test_short_unmasked_backwards_are_seeded_with_a_persistent_grid(
