@@ -12,12 +12,15 @@ are timed against each other in one interleaved loop (``measure.retime``, the ho
 protocol: L2 flushed before every call, clocks meeting both alike). One JSON row per entry.
 ``--jobs`` runs several such knob sets in one process (a list of runs); ``--tuned`` takes
 the knobs from a ``flashtune tune --json`` result (what a fresh search found for one
-entry's problem, timed here beside the entry's config).
+entry's problem, timed here beside the entry's config); ``--from-device`` each entry's key
+as another GPU's shipped entry holds it (one run per entry: the H100's entries, last
+searched in session 33, against the H200's with the knobs that landed since).
 
     python3 benchmarks/retime_knob.py --set hopper_split=2 --out retime.json
     python3 benchmarks/retime_knob.py --jobs '[["58,59", {"hopper_walk": 0}]]' --out r.json
     python3 benchmarks/retime_knob.py --direction fwd --tuned tune.json --entries 82 \\
         --out r82.json
+    python3 benchmarks/retime_knob.py --from-device "NVIDIA H200" --out from_h200.json
 
 Here (``--apply``): the rows whose candidate passed the gate and ran at least
 ``--min-gain`` faster replace their entries' configs in ``flashtune/data/shipped.json``
@@ -63,6 +66,34 @@ def knob_values(items: list[str]) -> dict[str, int]:
         name, _, value = item.partition("=")
         out[name] = int(value)
     return out
+
+
+def device_jobs(entries: list[dict[str, Any]], here: str, other: str, direction: str,
+                only: set[int] | None = None) -> list[tuple[str, dict[str, int]]]:
+    """One job per entry of device ``here`` (and ``direction``; ``only``: these indices)
+    whose key device ``other`` also holds with another config: that config, as the
+    knobs that differ (the fields its kernel variant uses; a whole config where the
+    variant differs). Keys ``other`` lacks, or holds with the same config, get none."""
+    from flashtune.kernels.config import BwdConfig, FwdConfig, active_fields
+
+    cls = FwdConfig if direction == "fwd" else BwdConfig
+    theirs = {json.dumps(e["problem"], sort_keys=True): e["config"] for e in entries
+              if e["direction"] == direction and e["device"]["name"] == other}
+    jobs = []
+    for index, e in enumerate(entries):
+        if e["direction"] != direction or e["device"]["name"] != here \
+                or (only is not None and index not in only):
+            continue
+        cfg = theirs.get(json.dumps(e["problem"], sort_keys=True))
+        if cfg is None:
+            continue
+        mine = e["config"]
+        fields = cfg if cfg.get("variant") != mine.get("variant") else \
+            active_fields(cls, cfg.get("variant"))
+        knobs = {k: cfg[k] for k in fields if k in cfg and mine.get(k) != cfg[k]}
+        if knobs:
+            jobs.append((str(index), knobs))
+    return jobs
 
 
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
@@ -228,6 +259,9 @@ def main() -> None:
     ap.add_argument("--tuned", default=None, metavar="FILE",
                     help="instead of --set: the config of a `tune --json` result for "
                     "--direction, as the knobs that differ from the --entries entry's")
+    ap.add_argument("--from-device", default=None, metavar="NAME",
+                    help="instead of --set: each entry against the config the shipped "
+                    "entry of device NAME (as torch names it) holds for the same key")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -236,8 +270,8 @@ def main() -> None:
     if args.apply:
         apply(args.apply, args.min_gain)
         return
-    if not (args.set or args.jobs or args.tuned) or not args.out:
-        ap.error("--set, --jobs or --tuned, and --out (or --apply)")
+    if not (args.set or args.jobs or args.tuned or args.from_device) or not args.out:
+        ap.error("--set, --jobs, --tuned or --from-device, and --out (or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
     only = set(parse_range(args.entries)) if args.entries else None
     if args.tuned:
@@ -250,6 +284,12 @@ def main() -> None:
         jobs = [(args.entries, knobs)] if knobs else []
     elif args.jobs:
         jobs = [(spec, knobs) for spec, knobs in json.loads(args.jobs)]
+    elif args.from_device:
+        import torch
+
+        jobs = device_jobs(json.load(open(SHIPPED))["entries"], torch.cuda.get_device_name(),
+                           args.from_device, args.direction, only)
+        print(f"{len(jobs)} entries hold another config on {args.from_device}", flush=True)
     else:
         retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
                        args.masked, args.unmasked, args.max_keys, only, args.direction)
