@@ -290,6 +290,8 @@ def main() -> None:
         jobs = device_jobs(json.load(open(SHIPPED))["entries"], torch.cuda.get_device_name(),
                            args.from_device, args.direction, only)
         print(f"{len(jobs)} entries hold another config on {args.from_device}", flush=True)
+        # One entry per run: --part takes every n-th run (one process per GPU).
+        jobs, i, n = jobs[i - 1::n], 1, 1
     else:
         retime_entries(knob_values(args.set), (i, n), args.min_bh, args.rounds, args.out,
                        args.masked, args.unmasked, args.max_keys, only, args.direction)
