@@ -40,7 +40,10 @@
   otherwise the short search, run first, paid that compile (1.4-4.3 s of 12 on the H200)
   and the long one found it cached (``warm_forward_s`` in the row).
   ``--against FILE`` (repeatable) runs only the short searches and judges each against
-  the winners earlier budget files stored for its problem, re-timed in this run.
+  the winners earlier budget files stored for its problem, re-timed in this run;
+  ``--against-shipped`` judges them against the shipped layer's config for the problem's
+  key on this GPU (alone, or pooled with ``--against``). ``--problem LABEL`` (repeatable,
+  e.g. ``'B8 H32 S2048 D64 causal'``) replaces the eight problems.
 
 Every run uses an in-memory tuning database (nothing is stored on the host), without
 the shipped layer's seeds (each search starts from the default, as on a new GPU), and
@@ -444,6 +447,21 @@ def _stored_winners(paths: list[str], direction: str
     return out
 
 
+def _shipped_winners(probs: list[Problem], direction: str
+                     ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """The shipped layer's config for each problem's key on this GPU, as a stored long
+    winner ("shipped long"): a search's start (the priors) judged against the configs
+    every earlier session's searches and retimes left in the layer, with no budget file."""
+    import torch
+
+    from flashtune.db.exchange import shipped_results
+
+    gpu = torch.cuda.get_device_name()
+    mine = {r.key: r.config for r in shipped_results() if r.device.name == gpu}
+    return {_label(p): [("shipped long", mine[p.key(direction)])] for p in probs
+            if p.key(direction) in mine}
+
+
 def _budget_against(sess: TuneSession, d: str, p: Problem,
                     stored: list[tuple[str, dict[str, Any]]], short: Any,
                     short_log: list[dict[str, Any]], prep: list[dict[str, Any]],
@@ -491,10 +509,10 @@ def cmd_budget(args: argparse.Namespace) -> None:
     if not args.time_budget:
         raise SystemExit("budget needs --time-budget S (the short search's seconds)")
     rows = []
-    probs = BUDGET_PROBLEMS[args.start:]
+    probs = [problem_of_label(x) for x in args.problem] or BUDGET_PROBLEMS[args.start:]
     if args.limit:
         probs = probs[: args.limit]
-    if args.against:
+    if args.against or args.against_shipped:
         _cmd_budget_against(args, probs)
         return
     with TuneSession(compile_workers=args.workers) as sess:
@@ -561,6 +579,9 @@ def _cmd_budget_against(args: argparse.Namespace, probs: list[Problem]) -> None:
         sess.warm()
         for d in args.directions.split(","):
             stored = _stored_winners(args.against, d)
+            if args.against_shipped:
+                for label, winners in _shipped_winners(probs, d).items():
+                    stored.setdefault(label, []).extend(winners)
             for p in probs:
                 if _label(p) not in stored:
                     continue
@@ -578,7 +599,8 @@ def _cmd_budget_against(args: argparse.Namespace, probs: list[Problem]) -> None:
                 _write(Path(args.out), f"budget_against_{args.directions.replace(',', '_')}"
                        f"_from{args.start}", {"env": _env_info(), "rows": rows,
                                               "against": [Path(a).name
-                                                          for a in args.against],
+                                                          for a in args.against]
+                                              + ["shipped"] * args.against_shipped,
                                               "time_budget": args.time_budget})
     print(f"\n{'dir':4} {'problem':28} {'trials':>6} {'new ms':>9} {'long ms':>9} {'gap':>6} "
           f"{'earlier short gaps':>20}")
@@ -612,6 +634,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", action="append", default=[],
                     help="budget: judge only short searches against this earlier budget "
                          "file's winners (repeat it to pool several files)")
+    ap.add_argument("--against-shipped", action="store_true",
+                    help="budget: judge only short searches, against the shipped layer's "
+                         "config for the problem's key on this GPU (pooled with --against)")
+    ap.add_argument("--problem", action="append", default=[],
+                    help="budget: this problem instead of the eight (a row label, e.g. "
+                         "'B8 H32 S2048 D64 causal'; repeatable)")
     ap.add_argument("--with-finalists", action="store_true",
                     help="budget --against: the short search's finalists join the judge")
     ap.add_argument("--factor", type=float, default=5.0,
