@@ -71,6 +71,9 @@ from flashtune.kernels.config import (
 from flashtune.problem import Problem
 
 Move = Callable[[dict[str, Any], Problem], dict[str, Any]]
+# A prior point's move may instead return None: the point does not apply to the problem
+# and is left out (see prior_points), wherever it sits in the order.
+PointMove = Callable[[dict[str, Any], Problem], dict[str, Any] | None]
 
 
 MIN_BLOCK = 16  # the smallest tile side the kernels take
@@ -189,10 +192,20 @@ def _hopper_persist(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     1.019x as fast in the fixed order and 1.025x in the free one, 16x32x1024x64 free
     1.025x, 16x16x1024x128 1.002x and 0.979x; with the shipped configs otherwise unchanged
     (``bwd_shipped_variants.py``) 2k keys ran 0.95x: every program then spills more, and
-    128 of 132 SMs hold whole heads."""
+    128 of 132 SMs hold whole heads. A second point adds dK and dV stored with TMA
+    (:func:`_hopper_persist_tma`)."""
     if p.causal or tuple(p.window) != (-1, -1) or p.seqlen_k > PERSIST_MAX_KEYS:
         return {}
     return {"hopper_persist": 1, "hopper_split": 1}
+
+
+def _hopper_persist_tma(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """:func:`_hopper_persist` with dK and dV stored through TMA, as the shipped 512-key
+    D=128 winners (both orders) hold them: a 12 s search without this point missed B32 H16
+    S512 D128's by 2.6% (H200, session 61). Left out (None) where the grid cannot
+    persist."""
+    persist = _hopper_persist(c, p)
+    return {**persist, **_hopper_dkdv_tma(c, p)} if persist else None
 
 
 def _hopper_dkdv_tma(c: dict[str, Any], p: Problem) -> dict[str, Any]:
@@ -232,6 +245,24 @@ def _hopper_newest(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {**_hopper_frag(c, p), **_hopper_store_first(c, p), **_hopper_dkdv_tma(c, p)}
 
 
+def _hopper_stages_d128(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """The Q/dO ring's depth at head dim 128 by mask: three stages unmasked, one under a
+    mask without GQA, as the shipped H200 winners hold them (session 61's count of
+    ``flashtune/data/shipped.json``: 12 of the 14 unmasked MHA Hopper winners of 1k-16k
+    keys took three stages, the two others 512 keys with a persistent grid; 12 of the 14
+    causal MHA ones one stage, both orders). A 12 s search from the default (two stages)
+    missed B4 H16 S4096 D128's three-stage winner by 7.7% (session 61, 28 trials); the GQA
+    masked winners are split between two and three stages, and head dim 64 keeps two:
+    there the point is left out (None). It is the first Hopper point, the likeliest
+    winner where it applies: a cold 12 s search at B4 H16 S4096 D128 measured only the
+    default and the eight points before it in the order of session 60 (session 61)."""
+    if p.head_dim != 128:
+        return None
+    if p.causal or tuple(p.window) != (-1, -1):
+        return {"hopper_stages": 1} if p.heads_q == p.heads_kv else None
+    return {"hopper_stages": 3}
+
+
 def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """Virtual KV heads (``hopper_kv_rep``) for GQA calls under a mask, whose programs each
     walk a whole group: r of them per key tile share it. Measured with the shipped configs
@@ -262,6 +293,17 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return {}
 
 
+def _hopper_kv_rep_deep(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """:func:`_hopper_kv_rep` one stage deeper with 232 registers a consumer
+    (:func:`_hopper_deep`), as six of the nine shipped H200 deterministic GQA winners with
+    virtual KV heads hold it (session 61's count; a seventh three stages, 240 registers):
+    a 12 s search measured the virtual heads at two stages and missed B4 H32/8 S4096 D128
+    causal's winner by 5.1% (session 61). Left out (None) where no virtual heads are
+    seeded."""
+    rep = _hopper_kv_rep(c, p)
+    return {**rep, **_hopper_deep(c, p)} if rep else None
+
+
 def _kv_rep_choices() -> tuple[int, ...]:
     """The values ``BwdConfig.hopper_kv_rep`` may take."""
     return config_fields(BwdConfig)["hopper_kv_rep"]
@@ -269,7 +311,7 @@ def _kv_rep_choices() -> tuple[int, ...]:
 
 # Compute-capability major -> the backward's prior points, as (kernel variant, moves)
 # applied in order to that variant's heuristic tiles; the most likely first.
-BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
+BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
     9: [
         (BWD_ONE_LAUNCH, (_dq_wide, _tiles, _cap)),
         (BWD_ONE_LAUNCH, (_dq_wide, _tiles)),
@@ -277,6 +319,10 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_TWO_KERNEL, (_dq_wide, _tiles)),
         (BWD_ONE_LAUNCH, (_dq_wide,)),
         (BWD_TWO_KERNEL, (_dq_wide,)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dkdv_tma, _hopper_stages_d128)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_kv_rep_deep)),
         (BWD_HOPPER, (_hopper_rows,)),
         (BWD_HOPPER, (_hopper_rows, _hopper_deep, _hopper_groups)),
         (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
@@ -288,6 +334,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[Move, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_dkdv_tma, _hopper_kv_regs_masked)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist_tma)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep)),
     ],
@@ -324,9 +371,15 @@ def prior_points(direction: str, problem: Problem, capability: str) -> list[dict
             base = config_to_dict(default_bwd(problem, variant))
         except InfeasibleConfigError:
             continue  # the variant cannot serve this problem
-        point = dict(base)
+        point: dict[str, Any] | None = dict(base)
         for move in moves:
-            point.update(move(point, problem))
+            step = move(point, problem)
+            if step is None:
+                point = None
+                break
+            point.update(step)
+        if point is None:
+            continue
         # The knobs the variant does not use keep their defaults: one spelling per kernel.
         used, blank = set(active_fields(BwdConfig, variant)), config_to_dict(BwdConfig())
         point = {k: v if k in used else blank[k] for k, v in point.items()}

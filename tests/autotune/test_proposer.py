@@ -542,7 +542,9 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     groups the fixed order's long-key points took before session 48); last, at either head
     dim, dQ in register order with its first turn stored (``hopper_dq_store_first``), in
     the fixed order, then that point with the call in two halves (``hopper_split``), and
-    that one with dK and dV stored through TMA (``hopper_dkdv_tma``)."""
+    that one with dK and dV stored through TMA (``hopper_dkdv_tma``). At head dim 128 the
+    Hopper points open with that last point at the ring depth the shipped winners hold:
+    three stages unmasked, one under a causal mask without GQA (none with GQA)."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -558,10 +560,12 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         first = {"hopper_dq_store_first": 2, **({} if deterministic else {"hopper_dq_fixed": 1})}
         if head_dim > 64:
             assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
-            assert hopper == points[-4:] == [{**base, **deep}, {**base, **first},
-                                             {**base, **first, "hopper_split": 2},
-                                             {**base, **first, "hopper_split": 2,
-                                              "hopper_dkdv_tma": 1}]
+            newest = {**base, **first, "hopper_split": 2, "hopper_dkdv_tma": 1}
+            # Unmasked at head dim 128, first the last point with three stages (the shipped
+            # winners' depth there), consumers keeping the default's registers.
+            assert hopper == points[-5:] == [{**newest, "hopper_stages": 3}, {**base, **deep},
+                                             {**base, **first},
+                                             {**base, **first, "hopper_split": 2}, newest]
         else:
             assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
@@ -582,6 +586,15 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             assert pt["hopper_stages"] in (base["hopper_stages"], 3)
             assert config.is_feasible(config.BwdConfig(**pt), p)[0]
             assert BWD.project(pt) == pt
+        # Under a causal mask without GQA, one stage (as the shipped winners there);
+        # with GQA, none of the two.
+        causal = dataclasses.replace(p, causal=True)
+        mha = dataclasses.replace(causal, heads_kv=causal.heads_q)
+        depth = [pt["hopper_stages"] for pt in prior_points("bwd", mha, "9.0")
+                 if pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]]
+        gqa = [pt["hopper_stages"] for pt in prior_points("bwd", causal, "9.0")
+               if pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]]
+        assert (1 in depth) == (head_dim == 128) and 1 not in gqa
 
 
 def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
@@ -592,7 +605,8 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
     group (no r of 2 or 4 divides it) the whole group from 12k; a
     ``deterministic=False`` call gets it in the fixed order, never in the free one. The
     seed is the last prior point, an earlier one (the call in two halves) with the knob,
-    and the move is one of those tried on stale and shipped winners (a free-order winner
+    and the first Hopper point is that seed with three stages and 232 registers (as most
+    shipped winners with virtual heads hold it); the move is one of those tried on stale and shipped winners (a free-order winner
     moved into the fixed order with it)."""
     from flashtune.autotune.priors import WINNER_MOVES, _hopper_kv_rep, prior_points
 
@@ -607,9 +621,11 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
         hopper = [pt for pt in prior_points("bwd", p, "9.0")
                   if pt["variant"] == config.BWD_HOPPER]
         got = [pt["hopper_kv_rep"] for pt in hopper if pt["hopper_kv_rep"] != 1]
-        assert got == ([want] if want else []), (hq, hk, keys)
+        assert got == ([want, want] if want else []), (hq, hk, keys)
         if want:
             assert hopper[-1]["hopper_kv_rep"] == want
+            # First among the Hopper points, the same one stage deeper with 232 registers.
+            assert hopper[0] == {**hopper[-1], "hopper_stages": 3, "hopper_regs": 232}
             assert {**hopper[-1], "hopper_kv_rep": 1} in hopper[:-1]  # the split point
             assert config.is_feasible(config.BwdConfig(**hopper[-1]), p)[0]
         assert _hopper_kv_rep({}, dataclasses.replace(p, causal=False)) == {}
@@ -823,8 +839,9 @@ def test_short_unmasked_backwards_are_seeded_with_a_persistent_grid(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``hopper_persist`` (one program per key tile walking several heads), where it ran
     faster: unmasked calls of at most 1k keys, in one launch (no split). Both as the last
-    prior point and as a move on a stored winner; never for a causal or windowed call or
-    a longer one."""
+    two prior points (the second with dK and dV stored through TMA, as the shipped 512-key
+    winners have it) and as a move on a stored winner; never for a causal or windowed call
+    or a longer one."""
     from dataclasses import replace
 
     from flashtune.autotune.priors import PERSIST_MAX_KEYS, prior_points, winner_points
@@ -833,8 +850,8 @@ def test_short_unmasked_backwards_are_seeded_with_a_persistent_grid(
     p = Problem(batch=4, heads_q=8, heads_kv=8, seqlen_q=PERSIST_MAX_KEYS,
                 seqlen_k=PERSIST_MAX_KEYS, head_dim=128, deterministic=True)
     base = config_to_dict(config.default_bwd(p, config.BWD_HOPPER))
-    assert prior_points("bwd", p, "9.0")[-1] == {**base, "hopper_dq_store_first": 1,
-                                                 "hopper_persist": 1}
+    persist = {**base, "hopper_dq_store_first": 1, "hopper_persist": 1}
+    assert prior_points("bwd", p, "9.0")[-2:] == [persist, {**persist, "hopper_dkdv_tma": 1}]
     won = {**base, "hopper_split": 2}
     assert winner_points("bwd", won, p, "9.0")[-1] == {**won, "hopper_dq_store_first": 0,
                                                        "hopper_persist": 1, "hopper_split": 1}
