@@ -139,10 +139,14 @@ def problem_of_label(label: str) -> Problem:
     causal``; ``H32/8`` is 32 query heads over 8 key/value heads)."""
     words = label.split()
     val = {w[0]: w[1:] for w in words if w[0] in "BHSD"}
-    heads = [int(h) for h in val["H"].split("/")]
-    return Problem(batch=int(val["B"]), heads_q=heads[0], heads_kv=heads[-1],
-                   seqlen_q=int(val["S"]), seqlen_k=int(val["S"]), head_dim=int(val["D"]),
-                   dtype="bf16", causal="causal" in words)
+    try:
+        heads = [int(h) for h in val["H"].split("/")]
+        return Problem(batch=int(val["B"]), heads_q=heads[0], heads_kv=heads[-1],
+                       seqlen_q=int(val["S"]), seqlen_k=int(val["S"]), head_dim=int(val["D"]),
+                       dtype="bf16", causal="causal" in words)
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"problem {label!r}: {e!s}; write it as 'B16 H32 S1024 D64', with "
+                         f"'H32/8' for 8 key/value heads and 'causal' after it if masked") from None
 
 
 def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]],
