@@ -304,6 +304,23 @@ def _hopper_kv_rep_deep(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
     return {**rep, **_hopper_deep(c, p)} if rep else None
 
 
+def _hopper_kv_rep_single(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """One query head per program (r = the group) with one Q/dO stage and 240 registers,
+    where :func:`_hopper_kv_rep` seeds virtual heads and the group is under 8: each
+    program then walks what a causal MHA program walks, and takes that depth. Retimed
+    beside their entries (H200, session 61, ``retime_knob.py``): 2x32/8x8192x128 causal
+    1.064x (one stage, two halves, from r = 4 at two stages), 4x32/8x4096x128 causal
+    1.024x (from r = 2 at three stages, 232 registers), 8x28/4x2048x128 causal 1.014x (r
+    = 7 already), 2x28/4x8192 and 4x28/4x4096 1.004-1.006x; the same depth at r = 2 with
+    groups of 8 ran 0.97-0.99x, and a group of 8 at r = 8 0.93-0.95x (session 59). Left
+    out (None) elsewhere, and at head dim 64 (no GQA winner there to learn from)."""
+    group = p.heads_q // p.heads_kv
+    rep = _hopper_kv_rep(c, p)
+    if not rep or group >= 8 or group not in _kv_rep_choices() or p.head_dim != 128:
+        return None
+    return {**rep, "hopper_kv_rep": group, "hopper_stages": 1, "hopper_regs": 240}
+
+
 def _kv_rep_choices() -> tuple[int, ...]:
     """The values ``BwdConfig.hopper_kv_rep`` may take."""
     return config_fields(BwdConfig)["hopper_kv_rep"]
@@ -321,6 +338,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
         (BWD_TWO_KERNEL, (_dq_wide,)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_dkdv_tma, _hopper_stages_d128)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dkdv_tma, _hopper_kv_rep_single)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep_deep)),
         (BWD_HOPPER, (_hopper_rows,)),

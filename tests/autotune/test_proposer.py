@@ -587,13 +587,14 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             assert config.is_feasible(config.BwdConfig(**pt), p)[0]
             assert BWD.project(pt) == pt
         # Under a causal mask without GQA, one stage (as the shipped winners there);
-        # with GQA, none of the two.
+        # with GQA, only with one query head per program (the virtual-heads points).
         causal = dataclasses.replace(p, causal=True)
         mha = dataclasses.replace(causal, heads_kv=causal.heads_q)
         depth = [pt["hopper_stages"] for pt in prior_points("bwd", mha, "9.0")
                  if pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]]
         gqa = [pt["hopper_stages"] for pt in prior_points("bwd", causal, "9.0")
-               if pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]]
+               if pt["variant"] == config.BWD_HOPPER and pt["hopper_dkdv_tma"]
+               and pt["hopper_kv_rep"] == 1]
         assert (1 in depth) == (head_dim == 128) and 1 not in gqa
 
 
@@ -605,9 +606,10 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
     group (no r of 2 or 4 divides it) the whole group from 12k; a
     ``deterministic=False`` call gets it in the fixed order, never in the free one. The
     seed is the last prior point, an earlier one (the call in two halves) with the knob,
-    and the first Hopper point is that seed with three stages and 232 registers (as most
-    shipped winners with virtual heads hold it); the move is one of those tried on stale and shipped winners (a free-order winner
-    moved into the fixed order with it)."""
+    and the first Hopper points are, under 8 query heads a group, one head per program at
+    one stage with TMA dK/dV, then that seed with three stages and 232 registers (as most
+    shipped winners with virtual heads hold it); the move is one of those tried on stale
+    and shipped winners (a free-order winner moved into the fixed order with it)."""
     from flashtune.autotune.priors import WINNER_MOVES, _hopper_kv_rep, prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -621,11 +623,20 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
         hopper = [pt for pt in prior_points("bwd", p, "9.0")
                   if pt["variant"] == config.BWD_HOPPER]
         got = [pt["hopper_kv_rep"] for pt in hopper if pt["hopper_kv_rep"] != 1]
-        assert got == ([want, want] if want else []), (hq, hk, keys)
+        group = hq // hk
+        # Under 8 query heads a group (head dim 128), first one head per program at one stage.
+        single = [group] if want and group < 8 else []
+        assert got == single + ([want, want] if want else []), (hq, hk, keys)
         if want:
             assert hopper[-1]["hopper_kv_rep"] == want
-            # First among the Hopper points, the same one stage deeper with 232 registers.
-            assert hopper[0] == {**hopper[-1], "hopper_stages": 3, "hopper_regs": 232}
+            # First among the Hopper points (after the one-head point), the same one stage
+            # deeper with 232 registers.
+            assert hopper[len(single)] == {**hopper[-1], "hopper_stages": 3,
+                                           "hopper_regs": 232}
+            if single:
+                assert hopper[0] == {**hopper[-1], "hopper_kv_rep": group, "hopper_stages": 1,
+                                     "hopper_regs": 240, "hopper_dkdv_tma": 1}
+                assert config.is_feasible(config.BwdConfig(**hopper[0]), p)[0]
             assert {**hopper[-1], "hopper_kv_rep": 1} in hopper[:-1]  # the split point
             assert config.is_feasible(config.BwdConfig(**hopper[-1]), p)[0]
         assert _hopper_kv_rep({}, dataclasses.replace(p, causal=False)) == {}
@@ -634,6 +645,10 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
             {"hopper_kv_rep": want, "hopper_dq_fixed": 1} if want else {})
         last = [pt for pt in prior_points("bwd", free, "9.0")
                 if pt["variant"] == config.BWD_HOPPER][-1]
+        # None at head dim 64, where no GQA winner taught it.
+        d64 = dataclasses.replace(p, head_dim=64)
+        assert all(pt["hopper_stages"] != 1 for pt in prior_points("bwd", d64, "9.0")
+                   if pt["variant"] == config.BWD_HOPPER)
         if want:
             assert (last["hopper_kv_rep"], last["hopper_dq_fixed"]) == (want, 1)
             assert config.is_feasible(config.BwdConfig(**last), free)[0]
