@@ -588,6 +588,8 @@ def _cmd_budget_against(args: argparse.Namespace, probs: list[Problem]) -> None:
                     stored.setdefault(label, []).extend(winners)
             for p in probs:
                 if _label(p) not in stored:
+                    print(f"{d} {_label(p)}: no stored winner to judge against (skipped)",
+                          flush=True)
                     continue
                 short_log: list[dict[str, Any]] = []
                 prep: list[dict[str, Any]] = []
