@@ -45,6 +45,15 @@ At head dim 128 from 8k keys, the deeper point and a third (the default with col
 groups) stage dQ in column groups as well, as every shipped H200 winner there does
 (session 47).
 
+At head dim 128 the Hopper points open with the ring depths the shipped H200 winners hold
+(session 61): three Q/dO stages unmasked, one under a causal mask without GQA, and for GQA
+under a mask with virtual KV heads, one query head per program at one stage (groups under
+8), then the virtual heads at three stages and 232 registers. 12 s searches from the
+default, judged against the shipped configs (``benchmarks/tune_autotuner.py budget
+--against-shipped``), had missed the first kind by 6-8% where a cold search measured only
+the default and the first eight points; with them, 8 of 9 standard problems land within
+2% (BENCHMARKS.md, issue 13, session 61).
+
 A last point, for the Hopper backward at head dim 64, comes from its A/B runs on the H100
 in session 25 (BENCHMARKS.md, issue 13, "a dQ writer warp"): with dQ in the fixed order,
 128-row query tiles ran 1.22-1.40x its default 64-row ones and, at 16k keys, 1.13x the
