@@ -261,7 +261,9 @@ def _hopper_stages_d128(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
     keys took three stages, the two others 512 keys with a persistent grid; 12 of the 14
     causal MHA ones one stage, both orders). A 12 s search from the default (two stages)
     missed B4 H16 S4096 D128's three-stage winner by 7.7% (session 61, 28 trials); the GQA
-    masked winners are split between two and three stages, and head dim 64 keeps two:
+    masked winners are split between two and three stages, and head dim 64 keeps two
+    (a window takes the causal depth by analogy: no H200 winner under a window without
+    GQA at head dim 128 to count):
     there the point is left out (None). It is the first Hopper point, the likeliest
     winner where it applies: a cold 12 s search at B4 H16 S4096 D128 measured only the
     default and the eight points before it in the order of session 60 (session 61)."""
@@ -399,14 +401,14 @@ def prior_points(direction: str, problem: Problem, capability: str) -> list[dict
             base = config_to_dict(default_bwd(problem, variant))
         except InfeasibleConfigError:
             continue  # the variant cannot serve this problem
-        point: dict[str, Any] | None = dict(base)
+        point, applies = dict(base), True
         for move in moves:
             step = move(point, problem)
-            if step is None:
-                point = None
+            if step is None:  # the point does not apply to this problem
+                applies = False
                 break
             point.update(step)
-        if point is None:
+        if not applies:
             continue
         # The knobs the variant does not use keep their defaults: one spelling per kernel.
         used, blank = set(active_fields(BwdConfig, variant)), config_to_dict(BwdConfig())
