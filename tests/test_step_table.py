@@ -3,22 +3,15 @@ a bench file built here (forward and backward rows of two shapes, an inference-o
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests._scripts import load_script
 
 
 def _step_table():
-    spec = importlib.util.spec_from_file_location("step_table",
-                                                  ROOT / "benchmarks" / "step_table.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_script("step_table")
 
 
 def _row(shape: str, timing: str, seqlen: int, causal: bool, tuned: float, anchor: float):

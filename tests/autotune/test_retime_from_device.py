@@ -5,7 +5,6 @@ the shipped layer alone, so they are checked here on the packaged data."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,18 +13,14 @@ import pytest
 from flashtune.kernels import config
 from flashtune.kernels.config import BwdConfig, active_fields, check, config_from_dict
 from flashtune.problem import Problem
+from tests._scripts import load_script
 
 ROOT = Path(__file__).parents[2]
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
 
 def _retime_knob():
-    spec = importlib.util.spec_from_file_location("retime_knob",
-                                                  ROOT / "benchmarks" / "retime_knob.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_script("retime_knob")
 
 
 def test_each_entry_gets_the_other_gpus_config_for_its_key_as_the_knobs_that_differ(
