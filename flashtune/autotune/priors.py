@@ -255,18 +255,18 @@ def _hopper_newest(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 
 
 def _hopper_stages_d128(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
-    """The Q/dO ring's depth at head dim 128 by mask: three stages unmasked, one under a
-    mask without GQA, as the shipped H200 winners hold them (session 61's count of
-    ``flashtune/data/shipped.json``: 12 of the 14 unmasked MHA Hopper winners of 1k-16k
-    keys took three stages, the two others 512 keys with a persistent grid; 12 of the 14
-    causal MHA ones one stage, both orders). A 12 s search from the default (two stages)
-    missed B4 H16 S4096 D128's three-stage winner by 7.7% (session 61, 28 trials); the GQA
-    masked winners are split between two and three stages, and head dim 64 keeps two
-    (a window takes the causal depth by analogy: no H200 winner under a window without
-    GQA at head dim 128 to count):
-    there the point is left out (None). It is the first Hopper point, the likeliest
-    winner where it applies: a cold 12 s search at B4 H16 S4096 D128 measured only the
-    default and the eight points before it in the order of session 60 (session 61)."""
+    """The Q/dO ring's depth at head dim 128 by mask: three stages unmasked, one under a mask
+    without GQA, as the shipped H200 winners hold them (session 61's count of
+    ``flashtune/data/shipped.json``: 12 of the 14 unmasked MHA Hopper winners of 1k-16k keys
+    took three stages, the two others 512 keys with a persistent grid; 12 of the 14 causal
+    MHA ones one stage, both orders, and 13 after that session's retimes). A 12 s search
+    from the default (two stages) missed B4 H16 S4096 D128's three-stage winner by 7.7%
+    (session 61, 28 trials); the GQA masked winners are split between two and three stages,
+    and head dim 64 keeps two (a window takes the causal depth by analogy: no H200 winner
+    under a window without GQA at head dim 128 to count): there the point is left out
+    (None). It is the first Hopper point, the likeliest winner where it applies: a cold 12 s
+    search at B4 H16 S4096 D128 measured only the default and the eight points before it in
+    the order of session 60 (session 61)."""
     if p.head_dim != 128:
         return None
     if p.causal or tuple(p.window) != (-1, -1):
@@ -306,11 +306,11 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 
 def _hopper_kv_rep_deep(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
     """:func:`_hopper_kv_rep` one stage deeper with 232 registers a consumer
-    (:func:`_hopper_deep`), as six of the nine shipped H200 deterministic GQA winners with
-    virtual KV heads hold it (session 61's count; a seventh three stages, 240 registers):
-    a 12 s search measured the virtual heads at two stages and missed B4 H32/8 S4096 D128
-    causal's winner by 5.1% (session 61). Left out (None) where no virtual heads are
-    seeded."""
+    (:func:`_hopper_deep`), as five of the ten shipped H200 deterministic GQA winners with
+    virtual KV heads held it when the point was added (session 61's count; two of them then
+    took :func:`_hopper_kv_rep_single`'s one stage, 1.01-1.02x faster): a 12 s search
+    measured the virtual heads at two stages and missed B4 H32/8 S4096 D128 causal's winner
+    by 5.1% (session 61). Left out (None) where no virtual heads are seeded."""
     rep = _hopper_kv_rep(c, p)
     return {**rep, **_hopper_deep(c, p)} if rep else None
 
