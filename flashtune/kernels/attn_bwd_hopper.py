@@ -1500,9 +1500,12 @@ class HopperBwdLaunch(_Launch):
         self.main(descriptor_like(tq, q), descriptor_like(tdo, do), descriptor_like(tk, k),
                   descriptor_like(tv, v), *rows, descriptor_like(tacc, dq_acc), *grads, sem)
         if self.kv_rep > 1:
+            # One reduction per gradient, straight into it: torch sums bf16/fp16 in fp32
+            # and rounds once, as a float32 sum and a cast would, without writing and
+            # reading back an fp32 copy of dK and dV (twice their bytes, per call).
             for out, part in zip((dk, dv), parts, strict=True):
                 b, hk, sk, d = out.shape
-                out.copy_(part.view(b, hk, self.kv_rep, sk, d).sum(2, dtype=torch.float32))
+                torch.sum(part.view(b, hk, self.kv_rep, sk, d), dim=2, out=out)
         self.finish(dq_acc, dq)
 
 
