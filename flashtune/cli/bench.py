@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -259,12 +260,19 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
 
     Every row gives its shape's wall time (``shape_wall_s``: first calls and timings), and
     side by side each implementation's first calls (``first_calls_s``: its compiles, plan
-    builds and cache loads), which is where a bench on cold caches spends its time."""
+    builds and cache loads), which is where a bench on cold caches spends its time.
+
+    Where the OS reports it, ``host_load`` is the host's 1-minute load average at the
+    shape's start and end: calls whose time includes Python launches (ours, Flex) slow
+    down when other processes crowd the CPUs, and cuDNN's less, so a row timed on a
+    crowded host misstates the ratios (BENCHMARKS.md, issue 13, session 62: two short
+    rows at 0.47x and 0.62x while another process compiled on 14 processes)."""
     from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
     for i, p in enumerate(problems):
         progress(f"[{i + 1}/{len(problems)}] {shape_label(p)}")
+        load_start = host_load()
         start = time.perf_counter()
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
@@ -273,6 +281,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
         except KeyboardInterrupt:
             return True
         wall = time.perf_counter() - start
+        load_end = host_load()
         shape_rows = []
         for kind in ("fwd", "bwd", "infer"):
             flops = p.flops("bwd" if kind == "bwd" else "fwd")
@@ -282,6 +291,8 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
                    "tflops": tf, "ms": ms, "ratios": _ratios(tf),
                    "tuned_directions": info["tuned"], "tuned_layers": info["layers"],
                    "shape_wall_s": round(wall, 2)}
+            if load_start is not None and load_end is not None:
+                row["host_load"] = [round(load_start, 2), round(load_end, 2)]
             if info["first_calls_s"]:
                 row["first_calls_s"] = {n: round(t, 3)
                                         for n, t in info["first_calls_s"].items()}
@@ -292,6 +303,23 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
             shape_rows.append(row)
         rows += shape_rows  # one step: a report from another thread sees whole shapes
     return False
+
+
+def host_load() -> float | None:
+    """The host's 1-minute load average (runnable and waiting threads), None where the OS
+    has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def host_cpus() -> int | None:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
 
 
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
@@ -423,7 +451,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
                 "interpreter": interpreter,
                 "order": "interleaved" if interleave else "in turn",
-                "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+                "warmup_ms": warmup_ms, "rep_ms": rep_ms, "host_cpus": host_cpus(),
                 **({"impls": sorted(impls, key=_IMPL_ORDER.index)} if impls else {}),
                 **({"part": f"{part[0]}/{part[1]}"} if part else {})}
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
@@ -594,7 +622,8 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     total = max(measured, sum(d["shapes"]["total"] - d["shapes"].get("skipped", 0)
                               for d in docs))
     return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "impls",
-                                     "warmup_ms", "rep_ms", "clocks") if k in first},
+                                     "warmup_ms", "rep_ms", "clocks", "host_cpus")
+               if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),
             "errors": [e for d in docs for e in d.get("errors", [])],

@@ -224,9 +224,12 @@ def test_bench_times_side_by_side_unless_in_turn_and_says_which(tmp_path: Path,
         assert all(r["tflops"]["default"] > 0 for r in doc["rows"])
         assert used == ([("three_timings", 7.0, 1.0)] if flag
                         else [("three_timings_interleaved", 7.0, 1.0)])
-        # Where the shape's time went: its wall time, and side by side the first calls.
+        # Where the shape's time went: its wall time, and side by side the first calls;
+        # the host's load at the shape's start and end, and its CPUs.
+        assert doc["host_cpus"] >= 1
         for r in doc["rows"]:
             assert r["shape_wall_s"] > 0
+            assert len(r["host_load"]) == 2 and min(r["host_load"]) >= 0
             if flag:
                 assert "first_calls_s" not in r
             else:
@@ -452,6 +455,8 @@ def test_bench_parts_merge_into_the_whole_bench(tmp_path: Path) -> None:
     assert [r["problem"]["seqlen_q"] for r in merged["rows"] if r["timing"] == "fwd"] == \
         [64, 48, 80]
     assert merged["shapes"] == {"measured": 3, "total": 3}
+    assert merged["host_cpus"] == docs[0]["host_cpus"]
+    assert all(len(r["host_load"]) == 2 for r in merged["rows"])
     assert merged["geomean_ratios"] == geomean_ratios(merged["rows"])
     assert merged["geomean_ratios"]["fwd"]["tuned/default"] > 0
     with pytest.raises(ValueError, match="differ in order"):
