@@ -349,7 +349,7 @@ def measure(bench: Bench, direction: str, config: FwdConfig | BwdConfig, *, seed
                                interpreter=interp)
         ratio = ref_ms = math.nan
         paired = against is not None and rel_tol is not None
-        if paired:
+        if against is not None and rel_tol is not None:
             try:
                 res, parts = bench.time_against(
                     direction, config, against, warmup_ms=warmup_ms, rep_ms=rep_ms,

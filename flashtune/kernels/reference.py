@@ -203,10 +203,9 @@ def _slices(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
             step = _heads_per_slice(hk, group, (qb - qa) * (kb - ka))
             for h0 in range(0, hk, step):
                 h1 = min(hk, h0 + step)
-                slices.append((
-                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: _seq(t[:, x:y], a, b),
-                    lambda t, a=ka, b=kb, x=h0, y=h1: _seq(t[:, x:y], a, b),
-                    lambda t, a=qa, b=qb, x=h0 * group, y=h1 * group: t[None, x:y, a:b]))
+                slices.append((_packed_take(qa, qb, h0 * group, h1 * group),
+                               _packed_take(ka, kb, h0, h1),
+                               _packed_lse_take(qa, qb, h0 * group, h1 * group)))
         return slices
     b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
     step = _heads_per_slice(hk, group, sq * sk, batch=b)
@@ -214,10 +213,24 @@ def _slices(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
     for bi in [slice(None)] if whole else [slice(i, i + 1) for i in range(b)]:
         for h0 in range(0, hk, step):
             h1 = min(hk, h0 + step)
-            slices.append((lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y],
-                           lambda t, i=bi, x=h0, y=h1: t[i, x:y],
-                           lambda t, i=bi, x=h0 * group, y=h1 * group: t[i, x:y]))
+            slices.append((_dense_take(bi, h0 * group, h1 * group), _dense_take(bi, h0, h1),
+                           _dense_take(bi, h0 * group, h1 * group)))
     return slices
+
+
+def _dense_take(batch: slice, h0: int, h1: int) -> Take:
+    """Heads [h0, h1) of the sequences ``batch`` of a dense (B, H, ...) tensor."""
+    return lambda t: t[batch, h0:h1]
+
+
+def _packed_take(a: int, b: int, h0: int, h1: int) -> Take:
+    """Tokens [a, b) of heads [h0, h1) of a packed (total, H, D) tensor, as (1, H, S, D)."""
+    return lambda t: _seq(t[:, h0:h1], a, b)
+
+
+def _packed_lse_take(a: int, b: int, h0: int, h1: int) -> Take:
+    """Tokens [a, b) of heads [h0, h1) of a packed LSE (H, total), as (1, H, S)."""
+    return lambda t: t[None, h0:h1, a:b]
 
 
 def _heads_per_slice(hk: int, group: int, scores_per_head: int, batch: int = 1) -> int:
