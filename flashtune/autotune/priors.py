@@ -285,11 +285,17 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     1.02-1.25x where this seeds it, 0.87-0.98x at 4 x 2k and 4 x 1k. A
     ``deterministic=False`` call takes it in the fixed order (``hopper_dq_fixed``): there
     4 x 4k ran 1.02x its free-order entry (session 59), in the free order 0.99x. An odd
-    group has no such r: it takes r = the group (one query head per program) from 12k,
-    as groups of 7 measured (session 59): 1.32x and 1.33x the portable winners at 7 x 8k
-    and 7 x 4k, 1.20x the one-program Hopper entry at 7 x 2k, 1.00x at 7 x 1k (groups
-    of 5 and 3 follow by analogy, unmeasured); a group of 8 ran 0.93-0.95x with r = 8
-    against its r = 2 or 4."""
+    group has no such r: it takes r = the group (one query head per program), as groups of
+    7 measured (session 59): 1.32x and 1.33x the portable winners at 7 x 8k and 7 x 4k,
+    1.20x the one-program Hopper entry at 7 x 2k (groups of 5 follow by analogy,
+    unmeasured); a group of 8 ran 0.93-0.95x with r = 8 against its r = 2 or 4.
+
+    Since session 62 the partials are summed straight into dK and dV (no fp32 copy), which
+    made virtual heads 1.01-1.02x cheaper at the GQA causal rows and moved the two
+    smallest walks that had lost or tied (H200, ``retime_knob.py`` beside the entries): 7 x
+    1k with r = 7 1.047-1.072x (1.00x before), 4 x 2k with r = 2 1.011-1.015x (0.98x
+    before); so r = 2 is seeded from 8k for every even group and r = the group from 7k for
+    odd ones. 4 x 1k still loses (r = 4 at one stage 0.90x, r = 2 0.87x)."""
     group = p.heads_q // p.heads_kv
     walk = group * p.seqlen_k
     if not (p.causal or tuple(p.window) != (-1, -1)) or group < 4:
@@ -297,9 +303,9 @@ def _hopper_kv_rep(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     fixed = {} if p.deterministic else {"hopper_dq_fixed": 1}
     if walk >= 32 * 1024 and group % 4 == 0:
         return {"hopper_kv_rep": 4, **fixed}
-    if (walk >= 16 * 1024 or (group >= 8 and walk >= 8 * 1024)) and group % 2 == 0:
+    if walk >= 8 * 1024 and group % 2 == 0:
         return {"hopper_kv_rep": 2, **fixed}
-    if group % 2 and walk >= 12 * 1024 and group in _kv_rep_choices():
+    if group % 2 and walk >= 7 * 1024 and group in _kv_rep_choices():
         return {"hopper_kv_rep": group, **fixed}
     return {}
 

@@ -601,9 +601,9 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
 def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``hopper_kv_rep`` is seeded for GQA calls under a mask by the group's walk (query
-    heads per KV head x keys), as sessions 58 and 59 measured it: 4 at 32k and more, 2 at
-    16k (or 8k with groups of 8), none below, none unmasked or for groups under 4; an odd
-    group (no r of 2 or 4 divides it) the whole group from 12k; a
+    heads per KV head x keys), as sessions 58, 59 and 62 measured it: 4 at 32k and more, 2
+    from 8k, none below, none unmasked or for groups under 4; an odd group (no r of 2 or 4
+    divides it) the whole group from 7k; a
     ``deterministic=False`` call gets it in the fixed order, never in the free one. The
     seed is the last prior point, an earlier one (the call in two halves) with the knob,
     and the first Hopper points are, under 8 query heads a group, one head per program at
@@ -614,10 +614,11 @@ def test_the_sm90_backward_prior_gives_long_gqa_walks_virtual_kv_heads(
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
     for hq, hk, keys, want in ((32, 8, 8192, 4), (64, 8, 4096, 4), (32, 8, 4096, 2),
-                               (64, 8, 2048, 2), (64, 8, 1024, 2), (32, 8, 2048, None),
+                               (64, 8, 2048, 2), (64, 8, 1024, 2), (32, 8, 2048, 2),
                                (32, 8, 1024, None), (16, 8, 16384, None),
-                               (24, 4, 8192, 2), (28, 4, 8192, 7), (28, 4, 2048, 7),
-                               (28, 4, 1024, None), (40, 8, 4096, 5), (40, 8, 2048, None)):
+                               (24, 4, 8192, 2), (24, 4, 1024, None), (28, 4, 8192, 7),
+                               (28, 4, 2048, 7), (28, 4, 1024, 7), (28, 4, 512, None),
+                               (40, 8, 4096, 5), (40, 8, 2048, 5), (40, 8, 1024, None)):
         p = Problem(batch=2, heads_q=hq, heads_kv=hk, seqlen_q=keys, seqlen_k=keys,
                     head_dim=128, causal=True)
         hopper = [pt for pt in prior_points("bwd", p, "9.0")
