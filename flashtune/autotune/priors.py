@@ -244,6 +244,21 @@ def _hopper_kv_regs_masked(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     return _hopper_kv_regs(c, p) if p.causal or tuple(p.window) != (-1, -1) else {}
 
 
+def _hopper_dq_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """The fixed dQ order's 128-row tiles split between the consumers by rows
+    (``hopper_dq_rows``) at head dim <= 64 for deterministic calls: beside the shipped H200
+    winners 1.011-1.046x on seven of the ten, 0.98-1.00x on the other three (BENCHMARKS.md,
+    issue 13, session 63). A ``deterministic=False`` call at these head dims runs the free
+    order, which has no split."""
+    return {"hopper_dq_rows": 1} if p.head_dim <= 64 and p.deterministic else {}
+
+
+def _hopper_dq_rows_point(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """:func:`_hopper_dq_rows` as the move of a prior point of its own: the point is left
+    out (None) where the split does not apply."""
+    return _hopper_dq_rows(c, p) or None
+
+
 def _hopper_newest(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """dQ staged in register order, its first turn stored, dK and dV stored with TMA: the
     knobs of sessions 48, 52 and 56 in one move, for winners tuned before them. One at a
@@ -373,6 +388,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist_tma)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dq_rows_point)),
     ],
 }
 
@@ -382,7 +399,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
 # never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {
     9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_newest,
-        _hopper_persist, _hopper_kv_rep)}
+        _hopper_persist, _hopper_kv_rep, _hopper_dq_rows)}
 
 
 def _major(capability: str) -> int | None:

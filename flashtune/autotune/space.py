@@ -122,8 +122,9 @@ class SearchSpace:
         there (1 is for ``deterministic=False`` calls; the feasibility rules refuse it), and
         neither the sampler nor a polishing walk spends a pick on it. Likewise
         ``hopper_kv_regs`` stays at 0 where the head dim is not 64 (K and V only fit in
-        registers there), and ``hopper_kv_rep`` at the divisors of the GQA group (the
-        feasibility rules refuse any other; an MHA call keeps 1)."""
+        registers there), ``hopper_dq_rows`` at 0 above head dim 64 (it splits 128-row
+        query tiles, which only fit up to 64), and ``hopper_kv_rep`` at the divisors of the
+        GQA group (the feasibility rules refuse any other; an MHA call keeps 1)."""
         out = self
         if self.direction != "bwd":
             return out
@@ -131,6 +132,8 @@ class SearchSpace:
             out = out.restrict(hopper_dq_fixed=0)
         if problem.head_dim != 64 and len(out.fields.get("hopper_kv_regs", ())) > 1:
             out = out.restrict(hopper_kv_regs=0)
+        if problem.head_dim > 64 and len(out.fields.get("hopper_dq_rows", ())) > 1:
+            out = out.restrict(hopper_dq_rows=0)
         reps = out.fields.get("hopper_kv_rep", ())
         group = problem.heads_q // problem.heads_kv
         fits = tuple(r for r in reps if group % r == 0)

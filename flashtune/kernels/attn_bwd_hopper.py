@@ -26,8 +26,13 @@ reduce-adds only when the count equals that key tile's rank (see ``_dq_turn``), 
 passes the turn on. The consumers never wait for a turn, only for a free staging buffer,
 and the two writers' turns overlap. Where shared memory has room, dS has two slots and
 each tile's dQ columns are computed one tile late (``_dq_stage``), so the two consumers,
-which both need each other's dS, are not held in step at every tile. dK and dV never
-race: one program owns each key tile, and GQA heads are summed in order.
+which both need each other's dS, are not held in step at every tile. With 128-row query
+tiles (D <= 64) the consumers may split dQ's rows instead (``hopper_dq_rows``): each
+multiplies its 64 query rows of both dS tiles by all of K, a 64 x D chunk, where the
+column split's 128 x D/2 chunk takes two wgmma rows per step and reads the whole dS
+tile: 1.01-1.05x on seven of ten deterministic D=64 H200 entries (0.98-1.00x on the
+other three), the same bits (each element sums the same products in the same order).
+dK and dV never race: one program owns each key tile, and GQA heads are summed in order.
 
 **Persistent over heads** (``PERSIST``, ``hopper_persist``, calls without a mask): the grid
 is G programs per key tile (:func:`persistent_heads`: as many whole heads as the SMs hold),
@@ -60,7 +65,9 @@ the layout of the accumulator in global memory, or in the order the wgmma leaves
 values in the consumers' registers, each warp's 16-byte stores filling contiguous shared
 memory; the accumulator then keeps each (query tile, column chunk) as such a block, and
 the cast at the end puts it back in rows. The order of the fp32 sums is the same either
-way, so the fixed order's gradients are the same bits.
+way, so the fixed order's gradients are the same bits. Split by rows, a consumer's chunk is
+its half of the tile's block (``DQ_LAYOUT`` 3: the 128-row order lists the first 64 rows'
+values, then the last 64's), so the accumulator and the cast are the free order's.
 
 The softmax scale is folded into dSᵀ before its bf16/fp16 rounding, so dK and dQ need no
 rescaling. Δ = rowsum(dO ∘ O) comes from the portable preprocess kernel. The producer
@@ -345,12 +352,23 @@ def _dq_turn(Sem, sem_row, start, pid_n, cid: gl.constexpr, n_m, seq_k, offset, 
 @gluon.jit
 def _dq_chunk(ds_smem, ds_base, ds_buf, k_smem, cid: gl.constexpr, c: gl.constexpr,
               BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNK: gl.constexpr,
-              CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr, dq_layout: gl.constexpr):
+              CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr, dq_layout: gl.constexpr,
+              ROWS: gl.constexpr = False):
     """Issue (asynchronously) chunk ``c`` of this consumer's dQ columns: over every
     consumer's keys (the dS tiles from ``ds_base`` on) when the consumers split dQ's
-    columns (SPLIT_D), else over its own."""
-    dq = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
-    if SPLIT_D:
+    columns (SPLIT_D), else over its own. With ROWS (``hopper_dq_rows``, 128-row query
+    tiles) the consumers split dQ's rows instead: consumer ``cid`` takes query rows
+    [64 cid, 64 cid + 64) of every column, a [64, DQ_CHUNK] chunk over every consumer's
+    keys."""
+    QR: gl.constexpr = 64 if ROWS else BLOCK_M
+    dq = gl.zeros([QR, DQ_CHUNK], gl.float32, layout=dq_layout)
+    if ROWS:
+        for j in gl.static_range(CONSUMERS):
+            dq = warpgroup_mma(ds_smem.index(ds_base + j).slice(cid * 64, 64, dim=1)
+                               .permute((1, 0)),
+                               k_smem.index(j).slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq,
+                               is_async=True)
+    elif SPLIT_D:
         for j in gl.static_range(CONSUMERS):
             dq = warpgroup_mma(ds_smem.index(ds_base + j).permute((1, 0)),
                                k_smem.index(j).slice(cid * DQ_COLS + c * DQ_CHUNK, DQ_CHUNK,
@@ -432,8 +450,8 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
 @gluon.jit
 def _heads_of(desc_dq, heads_kv, GQA: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     """Batch x KV heads of the call, from the dQ accumulator's descriptor: [B * Hq, ...]
-    in fragment order (DQ_LAYOUT 2), else [B, Hq, ...]."""
-    if DQ_LAYOUT == 2:
+    in fragment order (DQ_LAYOUT 2 or 3), else [B, Hq, ...]."""
+    if DQ_LAYOUT >= 2:
         return desc_dq.shape[0] // GQA
     return desc_dq.shape[0] * heads_kv
 
@@ -450,12 +468,16 @@ def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, he
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
     # The dQ columns of one staging buffer, from the accumulator descriptor's box: rows
     # [1, 1, BLOCK_M, N], column groups [1, 1, N / 8, BLOCK_M, 8] or fragments
-    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2).
-    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * 256 // BLOCK_M if DQ_LAYOUT == 2
+    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2); with DQ_LAYOUT 3 (fragments, the
+    # consumers splitting dQ's rows: hopper_dq_rows) a consumer's 64 rows of the block,
+    # [1, 1, 64 * N / 256, 256], at row ROW0 of the tile's block.
+    QR: gl.constexpr = 64 if DQ_LAYOUT == 3 else BLOCK_M
+    DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * 256 // QR if DQ_LAYOUT >= 2
                               else desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
                               if DQ_LAYOUT == 1 else desc_dq.block_type.shape[3])
-    DQ_COLS: gl.constexpr = D // CONSUMERS
+    DQ_COLS: gl.constexpr = D if DQ_LAYOUT == 3 else D // CONSUMERS
     CHUNKS: gl.constexpr = DQ_COLS // DQ_CHUNK
+    ROW0: gl.constexpr = cid * (64 * DQ_CHUNK // 256) if DQ_LAYOUT == 3 else 0
     pid_n = _key_tile(ORDER)
     if not PERSIST:  # (read here: the one-head form keeps its instructions in order)
         bhk = gl.program_id(1)
@@ -487,28 +509,29 @@ def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, he
                 slot = (cnt * CHUNKS + c) % DQ_RING
                 mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
                               ((cnt * CHUNKS + c) // DQ_RING) & 1)
-                if DQ_LAYOUT == 2:  # the block of this query tile and column chunk
-                    block = (start // BLOCK_M) * (D // DQ_CHUNK) + cid * CHUNKS + c
+                if DQ_LAYOUT >= 2:  # the block of this query tile and column chunk
+                    block = (start // BLOCK_M) * (D // DQ_CHUNK) + (
+                        c if DQ_LAYOUT == 3 else cid * CHUNKS + c)
                     if STORE_FIRST:  # the first turn stores: the accumulator is not zeroed
                         src = dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                            gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256], desc_dq.layout)
+                            gl.float32, [1, 1, QR * DQ_CHUNK // 256, 256], desc_dq.layout)
                         if STORE_FIRST == 2:  # both ops, no branch: the other one's box
                             first = turn == 0  # lies PAST the accumulator
                             tma.async_copy_shared_to_global(
                                 desc_dq, [b * heads_q + h, gl.where(first, block, block + PAST),
-                                          0, 0], src)
+                                          ROW0, 0], src)
                             _tma_reduce_add(
                                 desc_dq, [b * heads_q + h, gl.where(first, block + PAST, block),
-                                          0, 0], src)
+                                          ROW0, 0], src)
                         elif turn == 0:
                             tma.async_copy_shared_to_global(
-                                desc_dq, [b * heads_q + h, block, 0, 0], src)
+                                desc_dq, [b * heads_q + h, block, ROW0, 0], src)
                         else:
-                            _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0], src)
+                            _tma_reduce_add(desc_dq, [b * heads_q + h, block, ROW0, 0], src)
                     else:
-                        _tma_reduce_add(desc_dq, [b * heads_q + h, block, 0, 0],
+                        _tma_reduce_add(desc_dq, [b * heads_q + h, block, ROW0, 0],
                                         dq_smem.index(cid * DQ_RING + slot)._reinterpret(
-                                            gl.float32, [1, 1, BLOCK_M * DQ_CHUNK // 256, 256],
+                                            gl.float32, [1, 1, QR * DQ_CHUNK // 256, 256],
                                             desc_dq.layout))
                 elif DQ_LAYOUT == 1:
                     _tma_reduce_add(desc_dq, [b, h, (cid * DQ_COLS + c * DQ_CHUNK) // 8, start, 0],
@@ -549,14 +572,14 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
     mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
     base = slot * CONSUMERS
     dq = _dq_chunk(ds_smem, base, ds_smem.index(base + cid), k_smem, cid, 0, BLOCK_M, DQ_COLS,
-                   DQ_CHUNK, CONSUMERS, True, dq_layout)
+                   DQ_CHUNK, CONSUMERS, True, dq_layout, DQ_LAYOUT == 3)
     for c in gl.static_range(CHUNKS):
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         if c + 1 == CHUNKS:
             mbarrier.arrive(ds_free.index(slot), count=1)
         r = t * CHUNKS + c
         mbarrier.wait(dq_empty.index(cid * DQ_RING + r % DQ_RING), ((r // DQ_RING) & 1) ^ 1)
-        if DQ_LAYOUT == 2:
+        if DQ_LAYOUT >= 2:
             dq_smem.index(cid * DQ_RING + r % DQ_RING).store(_fragments(dq))
         elif DQ_LAYOUT == 1:
             dq_smem.index(cid * DQ_RING + r % DQ_RING).store(_grouped(dq))
@@ -566,7 +589,8 @@ def _dq_stage(t, cid: gl.constexpr, ds_smem, k_smem, dq_smem, ds_ready, ds_free,
         gl.thread_barrier()
         if c + 1 < CHUNKS:
             dq = _dq_chunk(ds_smem, base, ds_smem.index(base + cid), k_smem, cid, c + 1,
-                           BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, True, dq_layout)
+                           BLOCK_M, DQ_COLS, DQ_CHUNK, CONSUMERS, True, dq_layout,
+                           DQ_LAYOUT == 3)
         mbarrier.arrive(dq_full.index(cid * DQ_RING + r % DQ_RING), count=1)
 
 
@@ -659,13 +683,15 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
     # spilling; the free order keeps the overlap, which pays more there
     # (benchmarks/experiments/bwd_dp_after_p.patch).
     DP_LATE: gl.constexpr = DETERMINISTIC and BLOCK_M == 128
-    DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC else D
+    DQ_COLS: gl.constexpr = D // CONSUMERS if DETERMINISTIC and DQ_LAYOUT != 3 else D
     # The fixed order hands its dQ columns to the writer in chunks of DQ_CHUNK (see the
     # staging buffers in the kernel); the free order stages the whole tile at once.
     # The dQ columns of one staging buffer, from the accumulator descriptor's box: rows
     # [1, 1, BLOCK_M, N], column groups [1, 1, N / 8, BLOCK_M, 8] or fragments
-    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2).
+    # [1, 1, BLOCK_M * N / 256, 256] (DQ_LAYOUT 0, 1, 2), or a consumer's 64 rows of the
+    # fragments (DQ_LAYOUT 3: the consumers split dQ's rows, each all D columns).
     DQ_CHUNK: gl.constexpr = (desc_dq.block_type.shape[2] * 256 // BLOCK_M if DQ_LAYOUT == 2
+                              else desc_dq.block_type.shape[2] * 256 // 64 if DQ_LAYOUT == 3
                               else desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
                               if DQ_LAYOUT == 1 else desc_dq.block_type.shape[3])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -819,7 +845,7 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
                     # DQ_CHUNK through its ring of staging buffers; the writer takes the
                     # turns and adds them. Chunk c + 1's product runs while chunk c is staged.
                     dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, 0, BLOCK_M, DQ_COLS, DQ_CHUNK,
-                                   CONSUMERS, SPLIT_D, dq_layout)
+                                   CONSUMERS, SPLIT_D, dq_layout, DQ_LAYOUT == 3)
                     if not LEAN:
                         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
                         mbarrier.arrive(q_empty.index(buf), count=1)
@@ -832,7 +858,7 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
                         slot = (cnt * (DQ_COLS // DQ_CHUNK) + c) % DQ_RING
                         lap = (cnt * (DQ_COLS // DQ_CHUNK) + c) // DQ_RING
                         mbarrier.wait(dq_empty.index(cid * DQ_RING + slot), (lap & 1) ^ 1)
-                        if DQ_LAYOUT == 2:
+                        if DQ_LAYOUT >= 2:
                             dq_smem.index(cid * DQ_RING + slot).store(_fragments(dq))
                         elif DQ_LAYOUT == 1:
                             dq_smem.index(cid * DQ_RING + slot).store(_grouped(dq))
@@ -842,7 +868,8 @@ def _consumer_head(cid: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, 
                         gl.thread_barrier()
                         if c + 1 < DQ_COLS // DQ_CHUNK:
                             dq = _dq_chunk(ds_smem, 0, ds_buf, k_smem, cid, c + 1, BLOCK_M, DQ_COLS,
-                                           DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout)
+                                           DQ_CHUNK, CONSUMERS, SPLIT_D, dq_layout,
+                                           DQ_LAYOUT == 3)
                         mbarrier.arrive(dq_full.index(cid * DQ_RING + slot), count=1)
                 else:
                     dq = warpgroup_mma(ds_buf.permute((1, 0)), k,
@@ -972,7 +999,7 @@ def _attn_bwd_hopper_kernel(
     # box) per consumer, as deep as shared memory allows (the host's _smem_plan), between
     # the consumers and the dQ writer.
     DQ_BUFS: gl.constexpr = CONSUMERS * DQ_RING if DETERMINISTIC else CONSUMERS
-    if DQ_LAYOUT == 2:  # tiles or chunks in the accumulator's register order (see _fragments)
+    if DQ_LAYOUT >= 2:  # tiles or chunks in the accumulator's register order (see _fragments)
         dq_smem = gl.allocate_shared_memory(
             gl.float32, [DQ_BUFS, desc_dq.block_type.shape[2], 256],
             gl.NVMMASharedLayout(0, 32))
@@ -1179,6 +1206,8 @@ def dq_chunk(c: BwdConfig, d: int, deterministic: bool) -> int:
     DQ_GROUPED_CHUNK (at most a consumer's share of D)."""
     if not deterministic:
         return d
+    if c.hopper_dq_rows:  # each consumer's 64 rows of every column (see _dq_chunk)
+        return min(DQ_GROUPED_CHUNK, d)
     if c.hopper_dq_groups or c.hopper_dq_frag:
         return min(DQ_GROUPED_CHUNK, d // (c.hopper_block_n // ROWS_PER_WG))
     return DQ_CHUNK
@@ -1227,8 +1256,10 @@ def _smem_plan(c: BwdConfig, d: int, deterministic: bool, masked: bool = False) 
         return SmemPlan(1, 1, STAGE_LSE and base + rows <= DEFAULT_SMEM_BYTES)
     consumers = c.hopper_block_n // ROWS_PER_WG
     chunk = dq_chunk(c, d, deterministic)
-    chunks = d // consumers // chunk
-    entry = consumers * c.hopper_block_m * chunk * 4
+    # A consumer's chunks per query tile, and their staging buffers' bytes (all consumers):
+    # of its D / consumers columns, or with hopper_dq_rows of its 64 rows.
+    chunks = (d if c.hopper_dq_rows else d // consumers) // chunk
+    entry = consumers * (ROWS_PER_WG if c.hopper_dq_rows else c.hopper_block_m) * chunk * 4
     stage_lse = STAGE_LSE and base + rows + chunks * entry <= DEFAULT_SMEM_BYTES
     if stage_lse:
         base += rows
@@ -1373,6 +1404,7 @@ class HopperBwdLaunch(_Launch):
         dq_cols = dq_chunk(c, d, deterministic)
         groups = bool(c.hopper_dq_groups) and deterministic
         self.frag = bool(c.hopper_dq_frag)
+        dq_rows = bool(c.hopper_dq_rows) and deterministic and self.frag
         # The accumulator's blocks to zero per call: all of them, or with
         # hopper_dq_store_first (fixed order, frag) only those of query tiles no key tile
         # visits: the first turn of every other tile stores its dQ (see _bwd_dq_writer).
@@ -1387,9 +1419,11 @@ class HopperBwdLaunch(_Launch):
             # Each (query tile, column chunk) is a contiguous block of m * dq_cols values in
             # the consumers' register order (see _fragments), a padded last tile included,
             # put back in rows by _dq_finish_fragments.
+            # With hopper_dq_rows a writer adds its consumer's 64 rows: half a block.
             rows = m * dq_cols // 256
+            box = ROWS_PER_WG * dq_cols // 256 if dq_rows else rows
             self.acc_shape = (b * hq, n_m * (d // dq_cols), rows, 256)
-            tacc = _template(self.acc_shape, torch.float32, q.device, [1, 1, rows, 256],
+            tacc = _template(self.acc_shape, torch.float32, q.device, [1, 1, box, 256],
                              gl.NVMMASharedLayout(0, 32, rank=4))
         elif groups:
             base = torch.empty(1, device=q.device, dtype=torch.float32)
@@ -1440,7 +1474,8 @@ class HopperBwdLaunch(_Launch):
                  ORDER=order, MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
                  SOFTCAP=softcap > 0.0, DETERMINISTIC=deterministic,
                  CONSUMER_REGS=c.hopper_regs, DQ_RING=plan.dq_ring, DS_BUFS=plan.ds_bufs,
-                 STAGE_LSE=self.stage_lse, DQ_LAYOUT=2 if self.frag else int(groups),
+                 STAGE_LSE=self.stage_lse,
+                 DQ_LAYOUT=3 if dq_rows else 2 if self.frag else int(groups),
                  KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
                  PERSIST=persist, DKDV_TMA=self.dkdv is not None, KV_REP=self.kv_rep,
                  num_warps=4), 10)

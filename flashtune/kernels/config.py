@@ -226,6 +226,10 @@ class BwdConfig:
     hopper_dkdv_tma: int = knob(0, (0, 1), "Hopper: 1 stores dK and dV through shared memory "
                                 "(the K and V tiles' buffers) with TMA, 0 from registers "
                                 "(same values)", variants=_BH)
+    hopper_dq_rows: int = knob(0, (0, 1), "Hopper, fixed dQ order with 128x128 tiles and "
+                               "hopper_dq_frag=1: 1 splits each dQ tile between the two "
+                               "consumers by query rows (each its 64 rows, every column, "
+                               "over both consumers' keys), 0 by columns", variants=_BH)
 
     kind = "bwd"
 
@@ -648,6 +652,13 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
         raise InfeasibleConfigError(
             f"bwd hopper: hopper_dq_store_first={c.hopper_dq_store_first} stores the first of "
             "the fixed dQ order's turns into the accumulator of hopper_dq_frag=1: it needs "
+            "hopper_dq_frag=1 and a call that runs the fixed order (deterministic, "
+            "hopper_dq_fixed=1, or a free order that does not fit); use 0")
+    if c.hopper_dq_rows and not (fixed and c.hopper_dq_frag and c.hopper_block_m == 128
+                                 and c.hopper_block_n == 128):
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_rows=1 splits the fixed dQ order's 128-row tiles between "
+            "two consumers by rows: it needs hopper_block_m=128, hopper_block_n=128, "
             "hopper_dq_frag=1 and a call that runs the fixed order (deterministic, "
             "hopper_dq_fixed=1, or a free order that does not fit); use 0")
     if c.hopper_dq_groups and c.hopper_dq_frag:

@@ -460,6 +460,44 @@ def _dkdv_tma(seed: int) -> list[str]:
     return failures
 
 
+def _dq_rows(seed: int) -> list[str]:
+    """``hopper_dq_rows=1``: the fixed order's 128-row dQ tiles split between the two
+    consumers by rows (each its 64 query rows over both consumers' keys) instead of by
+    columns. Against the reference, and the same gradients as the column split, bit for bit
+    (the same products over the same keys in the same order, and the same turns), call
+    after call and as the tuner times it: both dQ hand-offs (the deferred one and not),
+    both store-first forms, odd lengths, Sq != Sk, GQA, fp16, a window, two halves,
+    persistent programs with dK and dV stored by TMA, K and V in registers, and a
+    ``deterministic=False`` call kept in the fixed order (there within rounding, as every
+    free call is compared)."""
+    import torch
+
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    tiles = {"hopper_block_m": 128, "hopper_block_n": 128, "hopper_dq_frag": 1,
+             "hopper_dq_groups": 0, "hopper_split": 1}
+    for p, layout, knobs in (
+            (Problem(2, 4, 2, 1000, 1100, 64, "bf16", True, deterministic=True), "bhsd", {}),
+            (Problem(1, 8, 4, 777, 901, 64, "fp16", False, deterministic=True), "bshd",
+             {"hopper_dq_store_first": 2}),
+            (Problem(2, 4, 4, 700, 1000, 64, "bf16", False, (300, 40), deterministic=True),
+             "bhsd", {"hopper_dq_store_first": 1, "hopper_split": 2}),
+            (Problem(5, 4, 4, 1024, 1024, 64, "bf16", False, deterministic=True), "bshd",
+             {"hopper_persist": 1, "hopper_dkdv_tma": 1, "hopper_stages": 1}),
+            (Problem(1, 4, 4, 2000, 2000, 64, "bf16", True, deterministic=True), "bhsd",
+             {"hopper_kv_regs": 1, "hopper_dkdv_tma": 1, "hopper_dq_store_first": 2}),
+            (Problem(2, 4, 4, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_dq_fixed": 1})):
+        base = dataclasses.replace(default_bwd(p, BWD_HOPPER), **{**tiles, **knobs})
+        cand = dataclasses.replace(base, hopper_dq_rows=1)
+        failures += _against_base(p, layout, gen, base, cand, f"dq_rows {knobs}",
+                                  "the column split's")
+    return failures
+
+
 def _kv_rep(seed: int) -> list[str]:
     """``hopper_kv_rep`` (virtual KV heads): r programs per key tile and KV head, each over
     1/r of the group's query heads, dK and dV summed from per-program partials after the
@@ -568,7 +606,7 @@ def needs_hopper() -> None:
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
                                    "_store_first", "_split", "_persist", "_dkdv_tma",
-                                   "_kv_rep"])
+                                   "_kv_rep", "_dq_rows"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

@@ -198,7 +198,7 @@ def test_active_fields_and_round_trip() -> None:
     assert {"hopper_block_m", "hopper_block_n", "hopper_stages", "hopper_regs",
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
             "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
-            "hopper_persist", "hopper_dkdv_tma", "hopper_kv_rep",
+            "hopper_persist", "hopper_dkdv_tma", "hopper_kv_rep", "hopper_dq_rows",
             "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
@@ -714,6 +714,69 @@ def test_dq_store_first_is_a_fixed_order_frag_knob(on_hopper: None) -> None:
     # Causal, Sq - Sk = 700: rows 0-699 see no key; 64-row tiles 0-9 hold only such rows,
     # each tile two blocks of 64 columns.
     assert plans == {"first": [(0, 20)], "frag": None, "first2": [(0, 20)]}
+
+
+def test_dq_rows_splits_the_fixed_orders_128_row_tiles_by_rows(on_hopper: None) -> None:
+    """``hopper_dq_rows``: the fixed order's 128-row dQ tiles split between the two
+    consumers by query rows. Configs written before it read as 0; it needs 128x128 tiles,
+    ``hopper_dq_frag=1`` and a call that runs the fixed order, and says so. Its launch
+    stages a consumer's 64 rows of every column (one 64-column chunk) as its half of the
+    query tile's block, so the accumulator is the free order's (one block per query tile,
+    cast by the same kernel), the writers' box half a block, and the staging ring as many
+    bytes as the column split's."""
+    import torch
+
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch, _smem_plan, dq_chunk
+
+    old = config_to_dict(HOP)
+    del old["hopper_dq_rows"]
+    assert config_from_dict("bwd", old).hopper_dq_rows == 0
+    det = dataclasses.replace(P, head_dim=64, deterministic=True)
+    free = dataclasses.replace(det, deterministic=False)
+    rows = dataclasses.replace(HOP, hopper_block_m=128, hopper_dq_frag=1, hopper_dq_rows=1)
+    check_bwd(rows, det)
+    check_bwd(dataclasses.replace(rows, hopper_dq_store_first=2, hopper_split=2), det)
+    check_bwd(dataclasses.replace(rows, hopper_dq_fixed=1), free)
+    for c, p in ((dataclasses.replace(rows, hopper_block_m=64), det),
+                 (dataclasses.replace(rows, hopper_block_n=64), det),
+                 (dataclasses.replace(rows, hopper_dq_frag=0), det), (rows, free)):
+        with pytest.raises(InfeasibleConfigError,
+                           match="hopper_dq_rows=1 .* needs hopper_block_m=128, "
+                                 "hopper_block_n=128, hopper_dq_frag=1 and a call that runs "
+                                 "the fixed order"):
+            check_bwd(c, p)
+    cols = dataclasses.replace(rows, hopper_dq_rows=0)
+    assert (dq_chunk(rows, 64, True), dq_chunk(cols, 64, True)) == (64, 32)
+    assert _smem_plan(rows, 64, True) == _smem_plan(cols, 64, True)
+    b, h, sq, sk, d = 1, 2, 1000, 700, 64
+    q, do, o = (torch.randn(b, h, sq, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(b, h, sk, d, dtype=torch.bfloat16) for _ in range(2))
+    plan = {}
+    for name, cfg, det_call in (("rows", rows, True), ("cols", cols, True),
+                                ("free", cols, False)):
+        launch = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=(0, 0, False, True),
+                                 scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                                 deterministic=det_call)
+        plan[name] = (launch.acc_shape, launch.templates[4].block_shape,
+                      launch.main.kwargs["DQ_LAYOUT"], launch.finish.kwargs["CHUNK"])
+    n_m = -(-sq // 128)
+    assert plan["rows"] == ((b * h, n_m, 32, 256), [1, 1, 16, 256], 3, 64)
+    assert plan["free"] == ((b * h, n_m, 32, 256), [1, 1, 32, 256], 2, 64)
+    assert plan["cols"] == ((b * h, 2 * n_m, 16, 256), [1, 1, 16, 256], 2, 32)
+    # The search: no pick on it above head dim 64 (no 128-row tiles there); a prior point
+    # and a move on an older winner for deterministic calls at head dim 64, not else.
+    from flashtune.autotune.priors import prior_points, winner_points
+
+    full = SearchSpace.full("bwd")
+    assert full.for_problem(P).fields["hopper_dq_rows"] == (0,)
+    assert full.for_problem(det).fields["hopper_dq_rows"] == (0, 1)
+    won = config_to_dict(dataclasses.replace(cols, hopper_dq_store_first=2))
+    assert {**won, "hopper_dq_rows": 1} in winner_points("bwd", won, det, "9.0")
+    for p, seeded in ((det, True), (free, False), (dataclasses.replace(P, deterministic=True),
+                                                   False)):
+        points = prior_points("bwd", p, "9.0")
+        assert any(pt.get("hopper_dq_rows") for pt in points) == seeded
+        assert all(config.is_feasible(BwdConfig(**pt), p)[0] for pt in points)
 
 
 @pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (64, 64)])
