@@ -490,7 +490,10 @@ def _dq_rows(seed: int) -> list[str]:
             (Problem(1, 4, 4, 2000, 2000, 64, "bf16", True, deterministic=True), "bhsd",
              {"hopper_kv_regs": 1, "hopper_dkdv_tma": 1, "hopper_dq_store_first": 2}),
             (Problem(2, 4, 4, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd",
-             {"hopper_dq_fixed": 1})):
+             {"hopper_dq_fixed": 1}),
+            # Three stages leave no room for a second dS slot: the hand-off not deferred.
+            (Problem(3, 4, 4, 900, 1200, 64, "bf16", False, deterministic=True), "bshd",
+             {"hopper_stages": 3, "hopper_dq_store_first": 2})):
         base = dataclasses.replace(default_bwd(p, BWD_HOPPER), **{**tiles, **knobs})
         cand = dataclasses.replace(base, hopper_dq_rows=1)
         failures += _against_base(p, layout, gen, base, cand, f"dq_rows {knobs}",
