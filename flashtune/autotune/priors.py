@@ -247,7 +247,7 @@ def _hopper_kv_regs_masked(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 def _hopper_dq_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """The fixed dQ order's 128-row tiles split between the consumers by rows
     (``hopper_dq_rows``) at head dim <= 64 for deterministic calls: beside the shipped H200
-    winners 1.011-1.046x on seven of the ten, 0.98-1.00x on the other three (BENCHMARKS.md,
+    winners 1.010-1.046x on seven of the ten, 0.98-1.00x on the other three (BENCHMARKS.md,
     issue 13, session 63). A ``deterministic=False`` call at these head dims runs the free
     order, which has no split."""
     return {"hopper_dq_rows": 1} if p.head_dim <= 64 and p.deterministic else {}
