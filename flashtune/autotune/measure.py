@@ -51,22 +51,52 @@ GATE_MAX_SCORES = 1 << 26
 GATE_MAX_ROWS = 1 << 16
 
 
-def _same_specialization(a: int, b: int) -> bool:
-    """Whether Triton specializes an int argument alike for ``a`` and ``b`` (equal to 1;
-    divisible by 16): a head count outside the class of the timed problem's would make
-    the gate compile every candidate again, on the critical path."""
-    return (a == 1) == (b == 1) and (a % 16 == 0) == (b % 16 == 0)
+def _same_multiples(a: int, b: int) -> bool:
+    """Whether Triton specializes an int argument alike (equal to 1; divisible by 16) for
+    ``a`` and ``b`` and for every multiple ``r * a``, ``r * b`` (r up to 16): a head count
+    a launch passes, alone or times a factor (virtual KV heads pass ``hopper_kv_rep`` x
+    the KV heads), keeps its class only if both share their largest power-of-two divisor
+    up to 16. A head count outside the class of the timed problem's would make the gate
+    compile every candidate again, on the critical path."""
+    return (a == 1) == (b == 1) and math.gcd(a, 16) == math.gcd(b, 16)
+
+
+def _split_heads(batch: int, hq: int, hk: int) -> list[tuple[int, int]]:
+    """(query heads, KV heads) of each part the Gluon backward runs a call of ``batch``
+    sequences in with ``hopper_split=2`` (``attn_bwd_hopper.split_plan``: halves of the
+    batch, else of the KV heads): the head counts its launches pass. Without Gluon there
+    is no such kernel, and the call is one part."""
+    try:
+        from flashtune.kernels.attn_bwd_hopper import split_plan
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        return [(hq, hk)]
+    return [(len(range(hq)[sq]), len(range(hk)[sk]))
+            for _, sq, sk in split_plan(batch, hq, hk, 2)]
+
+
+def launches_alike(p: Problem, batch: int, hq: int, hk: int) -> bool:
+    """Whether ``p`` reduced to ``batch`` sequences of ``hq`` query and ``hk`` KV heads
+    passes its launches head counts of the classes ``p``'s do (:func:`_same_multiples`),
+    whole and in each part of a split Gluon backward (:func:`_split_heads`)."""
+    mine, theirs = _split_heads(batch, hq, hk), _split_heads(p.batch, p.heads_q, p.heads_kv)
+    return (_same_multiples(hq, p.heads_q) and _same_multiples(hk, p.heads_kv)
+            and len(mine) == len(theirs)
+            and all(_same_multiples(a, c) and _same_multiples(x, y)
+                    for (a, x), (c, y) in zip(mine, theirs, strict=True)))
 
 
 def gate_problem(p: Problem) -> Problem:
     """``p``, or ``p`` with batch and then heads reduced so the reference stays small
     (every tile config still sees the full sequence lengths, masks and GQA ratio). A
     packed problem keeps its sequences (the reference checks one at a time) and loses
-    heads only. Heads are halved only while both counts keep the specialization class of
-    ``p``'s (see :func:`_same_specialization`), so the gate runs the binaries the compile
-    pool built (``flashtune.autotune._compile.compile_inputs``): on every dense preset
-    problem its launches keep their arguments' classes (tests/autotune/
-    test_compile_inputs.py). Past that the reference runs in slices."""
+    heads only. Each reduction is made only while the head counts that the launches pass
+    keep the specialization classes of ``p``'s (:func:`launches_alike`), so the gate runs
+    the binaries the compile pool built (``flashtune.autotune._compile.compile_inputs``)
+    and that are then timed: on every dense preset problem its launches keep their
+    arguments' classes (tests/autotune/test_compile_inputs.py). Halving the heads of
+    8x32x2048x64 left each half 8 heads to the timed halves' 32, and every split
+    candidate compiled again inside the gate (2.5-2.8 s a trial, H200, session 64). Past
+    that the reference runs in slices."""
     per_bh = p.seqlen_q * p.seqlen_k
     batch, hq, hk = p.batch, p.heads_q, p.heads_kv
 
@@ -76,10 +106,9 @@ def gate_problem(p: Problem) -> Problem:
         return (batch * hq * per_bh > GATE_MAX_SCORES
                 or batch * hq * p.seqlen_q > GATE_MAX_ROWS)
 
-    while batch > 1 and big() and not p.packed:
-        batch = max(1, batch // 2)
-    while (hk > 1 and hk % 2 == 0 and big() and _same_specialization(hq // 2, p.heads_q)
-           and _same_specialization(hk // 2, p.heads_kv)):
+    while batch > 1 and big() and not p.packed and launches_alike(p, batch // 2, hq, hk):
+        batch //= 2
+    while hk > 1 and hk % 2 == 0 and big() and launches_alike(p, batch, hq // 2, hk // 2):
         hk //= 2
         hq //= 2
     return replace(p, batch=batch, heads_q=hq, heads_kv=hk)

@@ -4,12 +4,15 @@ Triton specializes every int argument by value (equal to 1; divisible by 16), so
 build from inputs whose grid counts, totals or lengths fall in another class compiles a
 binary the worker never loads, and the worker compiles again on the critical path. Each
 launch the pool's small inputs (``compile_inputs``) prepare must take every int argument
-in the class of the problem's real launch. Nothing is compiled here: the launches are
-prepared on the CPU and their arguments compared.
+in the class of the problem's real launch, and so must each launch of the gate's reduced
+problem (``measure.gate_problem``). Nothing is compiled here: the launches are prepared on
+the CPU and their arguments compared (the Gluon backward's as its BoundLaunch objects fix
+them, a split call's halves included).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -19,8 +22,10 @@ from flashtune.autotune._compile import compile_inputs, like_count
 from flashtune.kernels.attn_bwd import bwd_steps
 from flashtune.kernels.attn_fwd import FwdLaunch, Packed
 from flashtune.kernels.config import (
+    BWD_HOPPER,
     BWD_ONE_LAUNCH,
     HOPPER,
+    BwdConfig,
     FwdConfig,
     default_bwd,
     default_portable_fwd,
@@ -95,6 +100,18 @@ def _launch_classes(monkeypatch: pytest.MonkeyPatch, p: Problem, direction: str,
         for name, obj in list(vars(mod).items()):
             if name.startswith("_attn") and hasattr(obj, "__getitem__"):
                 monkeypatch.setattr(mod, name, _Recorder(name, seen, obj))
+    if cfg.variant == BWD_HOPPER and direction == "bwd":
+        # The Gluon backward launches through BoundLaunch objects made once per call
+        # signature: their fixed arguments are what it specializes on (nothing runs here).
+        from flashtune.kernels import attn_bwd_hopper
+
+        def bound(kernel: Any, grid: Any, args: Any, kwargs: Any, n: int) -> Any:
+            seen.append((getattr(kernel, "__name__", repr(kernel)),
+                         [_class(x) for x in args[n:]], {k: _class(v) for k, v in kwargs.items()}))
+            return None
+
+        monkeypatch.setattr(attn_bwd_hopper, "BoundLaunch", bound)
+        monkeypatch.setattr(attn_bwd_hopper, "_sm_count", lambda index: 132)
     q, k, lse, packed = inputs
     v = torch.empty_like(k)
     cu = () if packed is None else (packed.cu_q, packed.cu_k)
@@ -103,11 +120,15 @@ def _launch_classes(monkeypatch: pytest.MonkeyPatch, p: Problem, direction: str,
     if direction == "fwd":
         FwdLaunch(q, k, v, **kw)(q, k, v, *cu)
     else:
-        _, steps = bwd_steps(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, **kw)
-        for _, step in steps:
-            step()
+        _, steps = bwd_steps(torch.empty_like(q), q, k, v, torch.empty_like(q), lse, **kw,
+                             deterministic=p.deterministic)
+        if cfg.variant != BWD_HOPPER:
+            for _, step in steps:
+                step()
     monkeypatch.undo()
     assert seen
+    if cfg.variant == BWD_HOPPER and direction == "bwd":  # not the portable fallback
+        assert "_attn_bwd_hopper_kernel" in [name for name, *_ in seen]
     return seen
 
 
@@ -117,6 +138,26 @@ def _configs(p: Problem) -> list[tuple[str, Any]]:
         ("bwd", default_bwd(p, BWD_ONE_LAUNCH))]
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     out.append(("fwd", FwdConfig(variant=HOPPER, block_m=128, block_n=128, num_stages=2)))
+    if not p.packed:
+        out += [("bwd", c) for c in _hopper_bwd_configs(p)]
+    return out
+
+
+def _hopper_bwd_configs(p: Problem) -> list[BwdConfig]:
+    """Gluon backward configs whose launches differ in what they pass: whole and in two
+    halves (``hopper_split``, whose halves see half the batch or half the heads), the
+    row-split dQ, a persistent grid and virtual KV heads where they apply."""
+    base = BwdConfig(variant=BWD_HOPPER, hopper_block_m=128 if p.head_dim <= 64 else 64,
+                     hopper_block_n=128, hopper_stages=2)
+    out = [base, dataclasses.replace(base, hopper_split=2)]
+    if p.head_dim <= 64:
+        out.append(dataclasses.replace(base, hopper_dq_frag=1, hopper_dq_store_first=2,
+                                       hopper_split=2, hopper_dq_rows=1, hopper_dkdv_tma=1))
+    masked = p.causal or tuple(p.window) != (-1, -1)
+    if not masked:
+        out.append(dataclasses.replace(base, hopper_persist=1))
+    if masked and (p.heads_q // p.heads_kv) % 2 == 0:
+        out.append(dataclasses.replace(base, hopper_kv_rep=2, hopper_split=2))
     return out
 
 

@@ -185,8 +185,9 @@ def test_a_candidate_that_leaves_its_output_unwritten_fails_on_a_reused_case(
 
 def test_gate_problem_keeps_the_compiled_specialization_and_shrinks_where_it_can() -> None:
     """The gate's problem keeps sequence lengths, masks and the GQA ratio; its head counts
-    stay in the timed problem's specialization class (so the pool's binaries serve it);
-    and it is within the caps unless one more halving would leave that class."""
+    stay in the timed problem's specialization classes, whole and in each half of a split
+    Gluon backward (so the pool's binaries serve it); and it is within the caps unless one
+    more halving would leave those classes."""
     from flashtune.autotune import measure as m
     from flashtune.autotune.presets import preset
 
@@ -197,17 +198,26 @@ def test_gate_problem_keeps_the_compiled_specialization_and_shrinks_where_it_can
         assert (g.seqlen_q, g.seqlen_k, g.causal, g.window, g.total_q, g.head_dim) == \
             (p.seqlen_q, p.seqlen_k, p.causal, p.window, p.total_q, p.head_dim)
         assert g.heads_q * p.heads_kv == p.heads_q * g.heads_kv
-        assert m._same_specialization(g.heads_q, p.heads_q)
-        assert m._same_specialization(g.heads_kv, p.heads_kv)
+        assert m.launches_alike(p, g.batch, g.heads_q, g.heads_kv)
         rows = g.heads_q * (g.total_q if g.packed else g.batch * g.seqlen_q)
         within = rows <= m.GATE_MAX_ROWS and (g.packed or g.batch * g.heads_q * g.seqlen_q
                                               * g.seqlen_k <= m.GATE_MAX_SCORES)
-        stuck = (g.batch == 1 or g.packed) and not (
-            g.heads_kv % 2 == 0 and m._same_specialization(g.heads_q // 2, p.heads_q)
-            and m._same_specialization(g.heads_kv // 2, p.heads_kv))
+        stuck = (g.batch == 1 or g.packed
+                 or not m.launches_alike(p, g.batch // 2, g.heads_q, g.heads_kv)) and not (
+            g.heads_kv % 2 == 0
+            and m.launches_alike(p, g.batch, g.heads_q // 2, g.heads_kv // 2))
         assert within or stuck, (p, g)
-    assert m._same_specialization(32, 16) and not m._same_specialization(16, 8)
-    assert not m._same_specialization(2, 1) and m._same_specialization(8, 4)
+    assert m._same_multiples(32, 16) and not m._same_multiples(16, 8)
+    assert not m._same_multiples(2, 1) and not m._same_multiples(8, 4)
+    assert m._same_multiples(12, 4) and not m._same_multiples(14, 28)
+    # 8x32x2048x64 split in halves of the batch: one sequence would split by heads instead
+    # (16 each, the same class); 16 heads would leave each half 8.
+    p = Problem(8, 32, 32, 2048, 2048, 64)
+    assert m.launches_alike(p, 1, 32, 32) and not m.launches_alike(p, 1, 16, 16)
+    assert m.gate_problem(p) == dataclasses.replace(p, batch=1)
+    # Virtual KV heads pass r x the KV heads: 8 KV heads (r = 2: 16) cannot become 4 (8).
+    g = Problem(16, 64, 8, 1024, 1024, 128, causal=True)
+    assert not m.launches_alike(g, 1, 32, 4) and m.gate_problem(g).heads_kv == 8
 
 
 @pytest.mark.parametrize("packed", [False, True])
