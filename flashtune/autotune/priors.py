@@ -255,7 +255,10 @@ def _hopper_dq_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 
 def _hopper_dq_rows_point(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
     """:func:`_hopper_dq_rows` as the move of a prior point of its own: the point is left
-    out (None) where the split does not apply."""
+    out (None) where the split does not apply. Where it applies it is the likeliest
+    winner (seven of the ten deterministic D=64 H200 winners hold it) and comes before the
+    other D=64 points: last in the list, a 12 s search at B8 H32 S2048 D64 ran out of time
+    one trial before it (14 trials; 3.8% over the shipped config; H200, session 64)."""
     return _hopper_dq_rows(c, p) or None
 
 
@@ -374,6 +377,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
                       _hopper_dkdv_tma, _hopper_kv_rep_single)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep_deep)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dq_rows_point)),
         (BWD_HOPPER, (_hopper_rows,)),
         (BWD_HOPPER, (_hopper_rows, _hopper_deep, _hopper_groups)),
         (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
@@ -388,8 +393,6 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_persist_tma)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_kv_rep)),
-        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
-                      _hopper_dq_rows_point)),
     ],
 }
 
