@@ -14,13 +14,16 @@ protocol: L2 flushed before every call, clocks meeting both alike). One JSON row
 the knobs from a ``flashtune tune --json`` result (what a fresh search found for one
 entry's problem, timed here beside the entry's config); ``--from-device`` each entry's key
 as another GPU's shipped entry holds it (one run per entry: the H100's entries, last
-searched in session 33, against the H200's with the knobs that landed since).
+searched in session 33, against the H200's with the knobs that landed since);
+``--from-budget`` the winners of short searches that beat the shipped entries of their
+keys (``tune_autotuner.py budget --against-shipped``), each beside its entry.
 
     python3 benchmarks/retime_knob.py --set hopper_split=2 --out retime.json
     python3 benchmarks/retime_knob.py --jobs '[["58,59", {"hopper_walk": 0}]]' --out r.json
     python3 benchmarks/retime_knob.py --direction fwd --tuned tune.json --entries 82 \\
         --out r82.json
     python3 benchmarks/retime_knob.py --from-device "NVIDIA H200" --out from_h200.json
+    python3 benchmarks/retime_knob.py --from-budget budget.json --out wins.json
 
 Here (``--apply``): the rows whose candidate passed the gate and ran at least
 ``--min-gain`` faster replace their entries' configs in ``flashtune/data/shipped.json``
@@ -74,9 +77,6 @@ def device_jobs(entries: list[dict[str, Any]], here: str, other: str, direction:
     whose key device ``other`` also holds with another config: that config, as the
     knobs that differ (the fields its kernel variant uses; a whole config where the
     variant differs). Keys ``other`` lacks, or holds with the same config, get none."""
-    from flashtune.kernels.config import BwdConfig, FwdConfig, active_fields
-
-    cls = FwdConfig if direction == "fwd" else BwdConfig
     theirs = {json.dumps(e["problem"], sort_keys=True): e["config"] for e in entries
               if e["direction"] == direction and e["device"]["name"] == other}
     jobs = []
@@ -87,13 +87,62 @@ def device_jobs(entries: list[dict[str, Any]], here: str, other: str, direction:
         cfg = theirs.get(json.dumps(e["problem"], sort_keys=True))
         if cfg is None:
             continue
-        mine = e["config"]
-        fields = cfg if cfg.get("variant") != mine.get("variant") else \
-            active_fields(cls, cfg.get("variant"))
-        knobs = {k: cfg[k] for k in fields if k in cfg and mine.get(k) != cfg[k]}
+        knobs = differing_knobs(e["config"], cfg, direction)
         if knobs:
             jobs.append((str(index), knobs))
     return jobs
+
+
+def differing_knobs(mine: dict[str, Any], cfg: dict[str, Any], direction: str
+                    ) -> dict[str, int]:
+    """``cfg`` as the knobs that differ from ``mine``: the fields its kernel variant uses,
+    or the whole config where the variant differs (retime_entries then takes it whole)."""
+    from flashtune.kernels.config import BwdConfig, FwdConfig, active_fields
+
+    cls = FwdConfig if direction == "fwd" else BwdConfig
+    fields = cfg if cfg.get("variant") != mine.get("variant") else \
+        active_fields(cls, cfg.get("variant"))
+    return {k: cfg[k] for k in fields if k in cfg and mine.get(k) != cfg[k]}
+
+
+def budget_jobs(rows: list[dict[str, Any]], entries: list[dict[str, Any]], here: str,
+                direction: str, max_gap: float) -> list[tuple[str, dict[str, int]]]:
+    """One job per row of ``tune_autotuner.py budget --against-shipped`` files (``rows``)
+    whose short search's winner ran at least ``-max_gap`` faster than the shipped config
+    of its key on device ``here`` (``gap`` <= ``max_gap``): the winner, as the knobs that
+    differ from that entry. A row's problem is its label (``B16 H32 S1024 D64 causal
+    nondet``), matched to the entry by the problem key (determinism included)."""
+    from flashtune.problem import ProblemKey
+
+    label_problem = _sibling("tune_autotuner").problem_of_label
+    index = {ProblemKey.from_dict({**e["problem"], "direction": e["direction"]}): i
+             for i, e in enumerate(entries)
+             if e["direction"] == direction and e["device"]["name"] == here}
+    jobs = []
+    for r in rows:
+        if r.get("direction") != direction or r.get("gap") is None or r["gap"] > max_gap:
+            continue
+        i = index.get(label_problem(r["problem"]).key(direction))
+        if i is None:
+            print(f"{r['problem']}: no shipped {direction} entry on {here} (skipped)",
+                  flush=True)
+            continue
+        knobs = differing_knobs(entries[i]["config"], r["short_config"], direction)
+        if knobs and (str(i), knobs) not in jobs:
+            jobs.append((str(i), knobs))
+    return jobs
+
+
+def _sibling(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def retime_entries(knobs: dict[str, int], part: tuple[int, int], min_bh: int,
@@ -262,6 +311,12 @@ def main() -> None:
     ap.add_argument("--from-device", default=None, metavar="NAME",
                     help="instead of --set: each entry against the config the shipped "
                     "entry of device NAME (as torch names it) holds for the same key")
+    ap.add_argument("--from-budget", nargs="+", default=None, metavar="FILE",
+                    help="instead of --set: each short-search winner of these "
+                    "`tune_autotuner.py budget --against-shipped` files that beat its key's "
+                    "entry by --max-gap, against that entry")
+    ap.add_argument("--max-gap", type=float, default=-0.008,
+                    help="--from-budget: the rows whose gap is at most this (default -0.008)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--apply", nargs="+", help="result files to write into the shipped layer")
@@ -270,8 +325,10 @@ def main() -> None:
     if args.apply:
         apply(args.apply, args.min_gain)
         return
-    if not (args.set or args.jobs or args.tuned or args.from_device) or not args.out:
-        ap.error("--set, --jobs, --tuned or --from-device, and --out (or --apply)")
+    if not (args.set or args.jobs or args.tuned or args.from_device or args.from_budget) \
+            or not args.out:
+        ap.error("--set, --jobs, --tuned, --from-device or --from-budget, and --out "
+                 "(or --apply)")
     i, n = (int(x) for x in args.part.split("/"))
     only = set(parse_range(args.entries)) if args.entries else None
     if args.tuned:
@@ -284,6 +341,15 @@ def main() -> None:
         jobs = [(args.entries, knobs)] if knobs else []
     elif args.jobs:
         jobs = [(spec, knobs) for spec, knobs in json.loads(args.jobs)]
+    elif args.from_budget:
+        import torch
+
+        rows = [r for path in args.from_budget for r in json.load(open(path))["rows"]]
+        jobs = budget_jobs(rows, json.load(open(SHIPPED))["entries"],
+                           torch.cuda.get_device_name(), args.direction, args.max_gap)
+        print(f"{len(jobs)} short-search winners beat their entries by "
+              f"{-args.max_gap:.1%} or more", flush=True)
+        jobs, i, n = jobs[i - 1::n], 1, 1  # one entry per run: --part takes every n-th
     elif args.from_device:
         import torch
 

@@ -131,22 +131,26 @@ def _env_info() -> dict[str, Any]:
 
 def _label(p: Problem) -> str:
     heads = f"{p.heads_q}/{p.heads_kv}" if p.heads_kv != p.heads_q else f"{p.heads_q}"
-    return f"B{p.batch} H{heads} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
+    return (f"B{p.batch} H{heads} S{p.seqlen_q} D{p.head_dim}{' causal' if p.causal else ''}"
+            f"{'' if p.deterministic else ' nondet'}")
 
 
 def problem_of_label(label: str) -> Problem:
     """The bf16 problem a row's label names (:func:`_label`'s inverse: ``B16 H32 S1024 D64
-    causal``; ``H32/8`` is 32 query heads over 8 key/value heads)."""
+    causal``; ``H32/8`` is 32 query heads over 8 key/value heads; ``nondet`` last for
+    ``deterministic=False``)."""
     words = label.split()
     val = {w[0]: w[1:] for w in words if w[0] in "BHSD"}
     try:
         heads = [int(h) for h in val["H"].split("/")]
         return Problem(batch=int(val["B"]), heads_q=heads[0], heads_kv=heads[-1],
                        seqlen_q=int(val["S"]), seqlen_k=int(val["S"]), head_dim=int(val["D"]),
-                       dtype="bf16", causal="causal" in words)
+                       dtype="bf16", causal="causal" in words,
+                       deterministic="nondet" not in words)
     except (KeyError, ValueError) as e:
         raise SystemExit(f"problem {label!r}: {e!s}; write it as 'B16 H32 S1024 D64', with "
-                         f"'H32/8' for 8 key/value heads and 'causal' after it if masked") from None
+                         f"'H32/8' for 8 key/value heads, 'causal' after it if masked and 'nondet' "
+                         f"last for deterministic=False") from None
 
 
 def _retime(sess: TuneSession, p: Problem, d: str, configs: list[dict[str, Any]],
@@ -451,6 +455,27 @@ def _stored_winners(paths: list[str], direction: str
     return out
 
 
+def shipped_problems(direction: str, gpu: str | None = None) -> list[Problem]:
+    """The problem of each shipped entry of ``direction`` on ``gpu`` (default: this one),
+    in the layer's order, deduplicated: what ``budget --shipped-keys`` searches, every key
+    the layer serves here (``--start`` and ``--limit`` take a slice, one per process) that
+    a row label names (:func:`_label`: dense bf16 calls without a window or softcap)."""
+    from flashtune.db.exchange import shipped_results
+
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+    out: list[Problem] = []
+    for r in shipped_results():
+        p = r.problem
+        if r.device.name == gpu and r.direction == direction and p is not None \
+                and p not in out and problem_of_label(_label(p)).key(direction) == \
+                p.key(direction):
+            out.append(p)
+    return out
+
+
 def _shipped_winners(probs: list[Problem], direction: str
                      ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """The shipped layer's config for each problem's key on this GPU, as a stored long
@@ -513,7 +538,12 @@ def cmd_budget(args: argparse.Namespace) -> None:
     if not args.time_budget:
         raise SystemExit("budget needs --time-budget S (the short search's seconds)")
     rows = []
-    probs = [problem_of_label(x) for x in args.problem] or BUDGET_PROBLEMS[args.start:]
+    if args.shipped_keys:
+        if args.problem or not args.against_shipped:
+            raise SystemExit("--shipped-keys takes no --problem and needs --against-shipped")
+        probs = shipped_problems(args.directions.split(",")[0])[args.start:]
+    else:
+        probs = [problem_of_label(x) for x in args.problem] or BUDGET_PROBLEMS[args.start:]
     if args.limit:
         probs = probs[: args.limit]
     if args.against or args.against_shipped:
@@ -646,6 +676,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--problem", action="append", default=[],
                     help="budget: this problem instead of the eight (a row label, e.g. "
                          "'B8 H32 S2048 D64 causal'; repeatable)")
+    ap.add_argument("--shipped-keys", action="store_true",
+                    help="budget --against-shipped: every key the shipped layer holds for "
+                    "this GPU and the first of --directions, in the layer's order "
+                    "(--start, --limit: a slice)")
     ap.add_argument("--with-finalists", action="store_true",
                     help="budget --against: the short search's finalists join the judge")
     ap.add_argument("--factor", type=float, default=5.0,
