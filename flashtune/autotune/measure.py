@@ -53,11 +53,11 @@ GATE_MAX_ROWS = 1 << 16
 
 def _same_multiples(a: int, b: int) -> bool:
     """Whether Triton specializes an int argument alike (equal to 1; divisible by 16) for
-    ``a`` and ``b`` and for every multiple ``r * a``, ``r * b`` (r up to 16): a head count
-    a launch passes, alone or times a factor (virtual KV heads pass ``hopper_kv_rep`` x
-    the KV heads), keeps its class only if both share their largest power-of-two divisor
-    up to 16. A head count outside the class of the timed problem's would make the gate
-    compile every candidate again, on the critical path."""
+    ``a`` and ``b`` and for every pair of multiples ``r * a``, ``r * b``: a head count a
+    launch passes, alone or times a factor (virtual KV heads pass ``hopper_kv_rep`` x the
+    KV heads), keeps its class for every factor exactly when both share their largest
+    power-of-two divisor up to 16. A head count outside the class of the timed problem's
+    would make the gate compile every candidate again, on the critical path."""
     return (a == 1) == (b == 1) and math.gcd(a, 16) == math.gcd(b, 16)
 
 
