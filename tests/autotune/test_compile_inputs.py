@@ -207,3 +207,24 @@ def test_the_gate_runs_the_binaries_that_are_timed(monkeypatch: pytest.MonkeyPat
             assert gate == real, (p, g, direction, cfg)
         checked += 1
     assert checked >= 20
+
+
+def test_pool_inputs_build_the_gluon_backward_of_every_preset_problem(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile pool's small inputs (the batch cut to :func:`like_count` of it) prepare
+    every Gluon backward launch of each dense preset problem, split halves included, with
+    the arguments the real call's launches take: a half of one class for the pool and
+    another for the worker would compile again inside the timing."""
+    from flashtune.autotune.presets import preset
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    names = ("standard", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b", "gpt2")
+    problems = sorted({p for name in names for p in preset(name) if not p.packed}, key=repr)
+    cut = 0
+    for p in problems:
+        cut += like_count(p.batch) != p.batch
+        for cfg in _hopper_bwd_configs(p):
+            real = _launch_classes(monkeypatch, p, "bwd", cfg, _real_inputs(p))
+            pool = _launch_classes(monkeypatch, p, "bwd", cfg, compile_inputs(p, "cpu"))
+            assert pool == real, (p, cfg)
+    assert cut >= 5  # the pool's batch is cut on several of them
