@@ -256,9 +256,10 @@ def _hopper_dq_rows(c: dict[str, Any], p: Problem) -> dict[str, Any]:
 def _hopper_dq_rows_point(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
     """:func:`_hopper_dq_rows` as the move of a prior point of its own: the point is left
     out (None) where the split does not apply. Where it applies it is the likeliest
-    winner (seven of the ten deterministic D=64 H200 winners hold it) and comes before the
-    other D=64 points: last in the list, a 12 s search at B8 H32 S2048 D64 ran out of time
-    one trial before it (14 trials; 3.8% over the shipped config; H200, session 64)."""
+    winner (eight of the eleven deterministic D=64 Hopper winners on the H200 hold it) and
+    comes before the other D=64 points: last in the list, a 12 s search at B8 H32 S2048
+    D64 ran out of time one trial before it (14 trials; 3.8% over the shipped config; H200,
+    session 64)."""
     return _hopper_dq_rows(c, p) or None
 
 
