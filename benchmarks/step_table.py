@@ -7,7 +7,9 @@ merges) and prints, per shape, flashtune's speed over the anchor's for the train
 forward, the backward and the training step (forward plus backward: the anchor's two
 times over ours, the same rows' medians), then how many shapes from ``--min-seqlen``
 query tokens reach 1.0x on the step, and the lowest backward row. A shape without both a
-forward and a backward row (an inference-only file) has no step.
+forward and a backward row (an inference-only file) has no step. A row whose training
+forward or backward reading was mostly host time for ours or the anchor (the bench's
+"host_bound", session 65 on) ends with the names: its ratios are not the kernels'.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ def step_rows(bench: dict[str, Any], anchor: str = "cudnn") -> list[dict[str, An
         f, b = t["fwd"]["ms"], t["bwd"]["ms"]
         if not all(k in m for m in (f, b) for k in ("tuned", anchor)):
             continue
+        bound = {n for k in ("fwd", "bwd") for n in t[k].get("host", {}).get("host_bound", [])
+                 if n in ("tuned", anchor)}
         out.append({"shape": label, "seqlen_q": t["bwd"]["problem"]["seqlen_q"],
                     "fwd": f[anchor] / f["tuned"], "bwd": b[anchor] / b["tuned"],
-                    "step": (f[anchor] + b[anchor]) / (f["tuned"] + b["tuned"])})
+                    "step": (f[anchor] + b[anchor]) / (f["tuned"] + b["tuned"]),
+                    "host_bound": sorted(bound)})
     return out
 
 
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geomean over {args.anchor}: " + ", ".join(geo))
     print(f"{'shape':44} {'fwd':>6} {'bwd':>6} {'step':>6}")
     for r in rows:
-        print(f"{r['shape']:44} {r['fwd']:6.3f} {r['bwd']:6.3f} {r['step']:6.3f}")
+        bound = f"  host-bound: {', '.join(r['host_bound'])}" if r["host_bound"] else ""
+        print(f"{r['shape']:44} {r['fwd']:6.3f} {r['bwd']:6.3f} {r['step']:6.3f}{bound}")
     long = [r for r in rows if r["seqlen_q"] >= args.min_seqlen]
     low = min(rows, key=lambda r: r["bwd"])
     print(f"step >= 1.0x at S >= {args.min_seqlen}: {sum(r['step'] >= 1.0 for r in long)} of "

@@ -351,8 +351,66 @@ def _turns(n: int, k: int) -> list[int]:
     return [i for c in range(n) for i in (fwd if c % 2 == 0 else fwd[::-1])]
 
 
+#: The longest GPU wait put before a launch (``lead_ms="auto"``): a launch that needs more
+#: host time than this is timed with its host time in part.
+MAX_LEAD_MS = 20.0
+
+
+@functools.cache
+def _spin_cycles_per_ms(device: int) -> float:
+    """SM clock cycles that ``torch.cuda._sleep`` spins for in one millisecond on
+    ``device``, read once per process (at the clocks of that moment: callers leave a
+    margin)."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1_000_000)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        b.synchronize()
+        return 20_000_000 / max(a.elapsed_time(b), 1e-3)
+
+
+def gpu_wait(ms: float) -> None:
+    """Queue about ``ms`` of spinning on the current stream (one thread: the GPU is
+    otherwise idle), so that the host issues what follows while the GPU is still busy."""
+    if ms > 0:
+        torch.cuda._sleep(int(ms * _spin_cycles_per_ms(torch.cuda.current_device())))
+
+
+def host_issue_ms(fns: Sequence[Callable[[], Any]], calls: int = 5) -> list[float]:
+    """Each launch's host time to issue one call (median of ``calls``), read while the
+    GPU is kept busy ahead of the calls, so that none waits for the GPU: the CPU time a
+    launch needs, whatever its GPU time. When it is at least the launch's GPU time, a
+    timing loop's events measure the host, not the kernels (a launch that synchronizes
+    reads the GPU's wait here too)."""
+    out = []
+    for f in fns:
+        gpu_wait(50.0)
+        ts = []
+        for _ in range(max(calls, 1)):
+            start = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        out.append(statistics.median(ts))
+    return out
+
+
+def lead_for(issue_ms: Sequence[float], lead_ms: float | str) -> float:
+    """The GPU wait put before each timed launch: ``lead_ms`` itself, or for "auto" one
+    and a half times the largest host issue time (at most :data:`MAX_LEAD_MS`)."""
+    if lead_ms == "auto":
+        return min(1.5 * max(issue_ms, default=0.0), MAX_LEAD_MS)
+    if isinstance(lead_ms, str) or not (0 <= lead_ms <= 1000):
+        raise ValueError(f"lead_ms must be 'auto' or 0 to 1000 ms, not {lead_ms!r}")
+    return float(lead_ms)
+
+
 def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
-                     rep_ms: float = 100, rounds: int = 1, cpu_reps: int = 3) -> list[Timing]:
+                     rep_ms: float = 100, rounds: int = 1, cpu_reps: int = 3,
+                     lead_ms: float | str = 0.0, host: dict[str, Any] | None = None,
+                     ) -> list[Timing]:
     """Time several launches against one another, in one loop that takes them in turn
     (0 1 2, 2 1 0, 0 1 2, ...), each with L2 flushed before it and CUDA events around it.
 
@@ -365,9 +423,21 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
     and ``rounds`` x ``rep_ms`` of timed repetitions, by the estimate of a first cycle,
     as :func:`time_fn` gives one launch. Returns each one's median, p20 and p80 over its
     own launches; under the CPU interpreter, host-clock timings of ``cpu_reps`` cycles,
-    labelled so."""
+    labelled so.
+
+    The events time the GPU only while the host issues launches faster than the GPU runs
+    them: a launch whose host time (Python, autograd, plan lookups) is longer than its
+    kernels reads its host time, and so do its neighbours in the loop (BENCHMARKS.md,
+    issue 13, session 65: rows read 0.53-0.67x cuDNN on a host that took 1 ms to issue a
+    0.36 ms training step). ``lead_ms`` puts a GPU wait of that many ms (or, for "auto",
+    :func:`lead_for` of the host issue times) after each flush, before the launch's first
+    event, so that the host has issued the launch before the GPU reaches it and the
+    events time its kernels alone. 0 (the default) is the protocol as it stood. With
+    ``host`` (a dict), each launch's host issue time goes to ``host["issue_ms"]`` and the
+    wait used to ``host["lead_ms"]``."""
     if not fns:
         raise ValueError("time_interleaved needs at least one launch")
+    lead_for([], lead_ms)  # a bad value fails before any launch
     k = len(fns)
     for f in fns:
         f()
@@ -380,23 +450,33 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], *, warmup_ms: float = 25,
         return [Timing(*_quantiles(ts), interpreter=True) for ts in times]
 
     torch.cuda.synchronize()
+    issue: list[float] = []
+    if host is not None or lead_ms == "auto":
+        issue = host_issue_ms(fns)
+    lead = lead_for(issue, lead_ms)
+    if host is not None:
+        host.update(issue_ms=issue, lead_ms=lead)
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0.record()
     for i in _turns(2, k):
         flush.zero_()
+        gpu_wait(lead)
         fns[i]()
     t1.record()
     torch.cuda.synchronize()
-    per_launch = max(t0.elapsed_time(t1) / (2 * k), 1e-3)  # flush included, as do_bench's
+    # flush (and wait) included, as do_bench's flush
+    per_launch = max(t0.elapsed_time(t1) / (2 * k), 1e-3)
     for i in _turns(max(1, int(warmup_ms / per_launch)), k):
         flush.zero_()
+        gpu_wait(lead)
         fns[i]()
     order = _turns(max(1, int(max(rounds, 1) * rep_ms / per_launch)), k)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in order]
     for i, (a, b) in zip(order, events, strict=True):
         flush.zero_()
+        gpu_wait(lead)
         a.record()
         fns[i]()
         b.record()
@@ -486,6 +566,8 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
                               clocks: ClockSampler | None = None,
                               clock_log: dict[str, Any] | None = None,
                               first_calls: dict[str, float] | None = None,
+                              lead_ms: float | str = 0.0,
+                              host_log: dict[str, Any] | None = None,
                               ) -> dict[str, dict[str, Timing]]:
     """:func:`three_timings` of several implementations side by side: each of the three
     timings runs every implementation in one loop (:func:`time_interleaved`: in turn, L2
@@ -499,7 +581,13 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
     and ``clock_log``, the GPU clocks during each timing's loop (after the first calls)
     go to ``clock_log['fwd' | 'fwd_bwd' | 'infer']``. ``first_calls`` gets each
     implementation's seconds for its three untimed first calls (its compiles, plan builds
-    and loads from the caches: where a cold bench's time goes)."""
+    and loads from the caches: where a cold bench's time goes).
+
+    ``lead_ms``: :func:`time_interleaved`'s GPU wait before each timed launch. With
+    ``host_log``, each timing's host issue times go to ``host_log[kind]``: "issue_ms"
+    (name: ms), "lead_ms", and "host_bound", the implementations whose host issue time
+    was at least 0.8 of their timed median and not covered by the lead (their reading is
+    mostly host time)."""
     q, k, v = make_inputs(p, device, requires_grad=True)
     do = torch.randn_like(q)
     kinds = {kind: functools.partial(_launch, kind, q=q, k=k, v=v, do=do) for kind in KINDS}
@@ -526,9 +614,18 @@ def three_timings_interleaved(attns: Mapping[str, AttnFn], p: Problem,
         return {}
     got: dict[str, list[Timing]] = {}
     for kind, make in kinds.items():
+        host: dict[str, Any] | None = {} if host_log is not None else None
         with _clocks(clocks, clock_log, kind):
             got[kind] = time_interleaved([make(ok[n]) for n in names], warmup_ms=warmup_ms,
-                                         rep_ms=rep_ms, rounds=rounds)
+                                         rep_ms=rep_ms, rounds=rounds, lead_ms=lead_ms,
+                                         host=host)
+        if host_log is not None and host and host["issue_ms"]:
+            issue = dict(zip(names, host["issue_ms"], strict=True))
+            host_log[kind] = {
+                "issue_ms": {n: round(ms, 4) for n, ms in issue.items()},
+                "lead_ms": round(host["lead_ms"], 4),
+                "host_bound": [n for n, t in zip(names, got[kind], strict=True)
+                               if issue[n] >= max(0.8 * t.median_ms, host["lead_ms"])]}
     out: dict[str, dict[str, Timing]] = {}
     for i, n in enumerate(names):
         out[n] = {"fwd": got["fwd"][i], "bwd": _backward(got["fwd"][i], got["fwd_bwd"][i]),

@@ -53,3 +53,26 @@ def test_a_file_without_a_training_pair_is_a_clear_error(tmp_path) -> None:
                                               1.0, 2.0)]}))
     with pytest.raises(SystemExit, match="no shape has forward and backward rows"):
         st.main([str(path)])
+
+
+def test_a_shape_read_mostly_as_host_time_is_named_so(tmp_path, capsys) -> None:
+    """The bench's host_bound names of the forward and backward rows (ours and the
+    anchor only) follow the shape, and the printed row says them."""
+    st = _step_table()
+    rows = [_row("32x16x512x128 bf16 causal", "fwd", 512, True, 0.2, 0.18),
+            _row("32x16x512x128 bf16 causal", "bwd", 512, True, 0.9, 0.6),
+            _row("8x32x2048x64 bf16", "fwd", 2048, False, 0.5, 0.6),
+            _row("8x32x2048x64 bf16", "bwd", 2048, False, 1.8, 1.6)]
+    rows[1]["host"] = {"host_bound": ["flex", "tuned"], "issue_ms": {}, "lead_ms": 0.0}
+    rows[0]["host"] = {"host_bound": ["cudnn"], "issue_ms": {}, "lead_ms": 0.0}
+    got = {r["shape"]: r for r in st.step_rows({"rows": rows})}
+    assert got["32x16x512x128 bf16 causal"]["host_bound"] == ["cudnn", "tuned"]
+    assert got["8x32x2048x64 bf16"]["host_bound"] == []
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert st.main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x for x in lines if "host-bound" in x] == [
+        next(x for x in lines if x.startswith("32x16x512x128"))]
+    assert lines[[i for i, x in enumerate(lines) if x.startswith("32x16")][0]].endswith(
+        "host-bound: cudnn, tuned")

@@ -11,10 +11,12 @@ import torch
 from flashtune.autotune.measure import retime
 from flashtune.problem import Problem
 from flashtune.timing import (
+    MAX_LEAD_MS,
     SDPA_ANCHORS,
     Timing,
     _launch,
     anchor_launches,
+    lead_for,
     make_inputs,
     three_timings,
     three_timings_interleaved,
@@ -176,6 +178,80 @@ def test_anchor_launches_run_the_sdpa_anchors_and_leave_out_what_cannot_run() ->
     assert all(t.median_ms > 0 for t in ts)
     # SDPA's semantics only: a window has no anchor
     assert anchor_launches(Problem(2, 4, 4, 512, 512, 64, "bf16", False, (64, 0)), "fwd") == {}
+
+
+def test_lead_for_takes_the_wait_given_or_one_and_a_half_host_issue_times() -> None:
+    assert lead_for([0.4, 1.0, 0.2], "auto") == pytest.approx(1.5)
+    assert lead_for([100.0], "auto") == MAX_LEAD_MS
+    assert lead_for([], "auto") == 0.0
+    assert lead_for([5.0], 0.25) == 0.25 and lead_for([5.0], 0) == 0.0
+    for bad in (-1.0, 1e9, float("nan"), "soon"):
+        with pytest.raises(ValueError, match="'auto' or 0 to 1000 ms"):
+            lead_for([1.0], bad)
+
+
+def test_time_interleaved_refuses_a_bad_lead_before_any_launch() -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError, match="lead_ms"):
+        time_interleaved([lambda: calls.append(1)], lead_ms=-2.0)
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_a_lead_times_the_kernels_of_a_launch_that_is_slower_on_the_host() -> None:
+    """A launch that spends 2 ms on the host before a short matmul reads its host time in
+    the plain loop (the GPU idles between the events); with lead_ms="auto" it reads the
+    matmul's time, as a copy without the host work does. The host issue times say which
+    is which."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def slow() -> None:
+        time.sleep(0.002)
+        a @ a
+
+    def fast() -> None:
+        a @ a
+
+    host: dict = {}
+    plain = time_interleaved([slow, fast], host=host)
+    assert host["lead_ms"] == 0.0
+    assert host["issue_ms"][0] >= 2.0 > 10 * host["issue_ms"][1], host
+    assert plain[0].median_ms >= 1.8 and plain[0].median_ms > 3 * plain[1].median_ms, plain
+    led = time_interleaved([slow, fast], lead_ms="auto", host=host)
+    assert host["lead_ms"] == pytest.approx(1.5 * host["issue_ms"][0])
+    assert abs(led[0].median_ms / led[1].median_ms - 1) < 0.15, led
+    assert abs(led[1].median_ms / plain[1].median_ms - 1) < 0.25, (led, plain)
+
+
+@pytest.mark.gpu
+def test_three_timings_interleaved_names_the_host_bound_and_a_lead_times_their_kernels(
+        ) -> None:
+    """An implementation that spends 3 ms on the host per call is named host-bound in
+    every timing, the plain SDPA call beside it in none; with a lead both read alike."""
+    import torch.nn.functional as F
+
+    p = Problem(4, 16, 16, 2048, 2048, 128, "bf16", True)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def slow(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.003)
+        return sdpa(q, k, v)
+
+    log: dict = {}
+    three_timings_interleaved({"sdpa": sdpa, "slow": slow}, p, "cuda", host_log=log)
+    assert sorted(log) == ["fwd", "fwd_bwd", "infer"]
+    for kind, h in log.items():
+        assert h["host_bound"] == ["slow"] and h["lead_ms"] == 0.0, (kind, h)
+        assert h["issue_ms"]["slow"] >= 3.0 > h["issue_ms"]["sdpa"], (kind, h)
+    log.clear()
+    got = three_timings_interleaved({"sdpa": sdpa, "slow": slow}, p, "cuda",
+                                    lead_ms="auto", host_log=log)
+    for kind in ("fwd", "bwd", "infer"):
+        a, b = got["sdpa"][kind].median_ms, got["slow"][kind].median_ms
+        assert abs(a / b - 1) < 0.1, (kind, a, b)
+    assert all(h["lead_ms"] >= 4.5 and h["host_bound"] == [] for h in log.values()), log
 
 
 @pytest.mark.gpu

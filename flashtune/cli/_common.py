@@ -38,6 +38,25 @@ class FiniteRange(click.FloatRange):
         return rv
 
 
+class LeadMs(click.ParamType):
+    """"auto", or a GPU wait in ms from 0 to 1000 (:func:`flashtune.timing.lead_for`)."""
+
+    name = "auto|ms"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None,
+                ) -> Any:
+        if isinstance(value, float) or value == "auto":
+            return value
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and 0 <= ms <= 1000):
+            self.fail(f"{value!r} is neither 'auto' nor a number of ms from 0 to 1000",
+                      param, ctx)
+        return ms
+
+
 class PresetNames(click.ParamType):
     """One preset name, or several joined by commas (``standard,gpt2``): each must be a
     preset, none empty. The value stays the text; :func:`shape_set` splits it."""

@@ -15,6 +15,7 @@ import click
 
 from flashtune.cli._common import (
     FiniteRange,
+    LeadMs,
     clean_errors,
     console,
     db_option,
@@ -247,7 +248,8 @@ def _warm_flex(problems: list[Any], only: frozenset[str] | None,
 def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: float,
                 progress: Callable[[str], None], rows: list[dict[str, Any]],
                 errors: list[str], interleave: bool = False, clocks: Any = None,
-                only: frozenset[str] | None = None, warmup_ms: float = 25.0) -> bool:
+                only: frozenset[str] | None = None, warmup_ms: float = 25.0,
+                lead_ms: float | str = 0.0) -> bool:
     """Append each shape's three rows to ``rows`` (and what could not run to ``errors``);
     True when interrupted. A SIGINT or SIGTERM (under
     :func:`~flashtune.autotune.sweep.interrupt_on_sigterm`) stops the run between two
@@ -266,7 +268,14 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
     shape's start and end: calls whose time includes Python launches (ours, Flex) slow
     down when other processes crowd the CPUs, and cuDNN's less, so a row timed on a
     crowded host misstates the ratios (BENCHMARKS.md, issue 13, session 62: two short
-    rows at 0.47x and 0.62x while another process compiled on 14 processes)."""
+    rows at 0.47x and 0.62x while another process compiled on 14 processes).
+
+    Side by side on a GPU, each row also gives ``host``: the implementations' host time
+    to issue one call ("issue_ms", read while the GPU is busy), the GPU wait put before
+    each timed launch ("lead_ms", see :func:`~flashtune.timing.time_interleaved`) and
+    "host_bound", those whose reading was mostly host time (session 65: 0.53-0.67x rows
+    of a host that took 1 ms to issue a training step). ``lead_ms`` is that wait: 0 (the
+    protocol as it stood), a number of ms, or "auto"."""
     from flashtune.autotune.sweep import check_interrupted
 
     dev = "cpu" if interpreter else "cuda"
@@ -276,7 +285,7 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
         start = time.perf_counter()
         try:
             timings, info = _time_shape(p, table, interpreter, dev, rep_ms, errors,
-                                        interleave, clocks, only, warmup_ms)
+                                        interleave, clocks, only, warmup_ms, lead_ms)
             check_interrupted()  # an interrupt lost in a callback still stops here
         except KeyboardInterrupt:
             return True
@@ -296,8 +305,10 @@ def _bench_rows(problems: list[Any], table: Any, interpreter: bool, rep_ms: floa
             if info["first_calls_s"]:
                 row["first_calls_s"] = {n: round(t, 3)
                                         for n, t in info["first_calls_s"].items()}
+            run = "fwd_bwd" if kind == "bwd" else kind
+            if run in info["host"]:
+                row["host"] = info["host"][run]
             if clocks is not None:
-                run = "fwd_bwd" if kind == "bwd" else kind
                 row["clocks"] = {n: log.get(run) for n, log in info["clocks"].items()
                                  if n == "all" or n in timings}
             shape_rows.append(row)
@@ -325,6 +336,7 @@ def host_cpus() -> int | None:
 def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
                 errors: list[str], interleave: bool = False, clocks: Any = None,
                 only: frozenset[str] | None = None, warmup_ms: float = 25.0,
+                lead_ms: float | str = 0.0,
                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every implementation's three timings of ``p`` (``interleave``: side by side, see
     :func:`~flashtune.timing.three_timings_interleaved`; else one after another); one that
@@ -338,6 +350,7 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
     logs: dict[str, dict[str, Any]] = {}
     info["clocks"] = logs
     info["first_calls_s"] = {}
+    info["host"] = {}
     with warnings.catch_warnings():
         # SDPA explains at length why a forced backend cannot run a shape; the error
         # below says it in one line.
@@ -349,7 +362,10 @@ def _time_shape(p: Any, table: Any, interpreter: bool, dev: str, rep_ms: float,
                                                     rep_ms=rep_ms,
                                                     errors=failed, clocks=clocks,
                                                     clock_log=logs.setdefault("all", {}),
-                                                    first_calls=info["first_calls_s"])
+                                                    first_calls=info["first_calls_s"],
+                                                    lead_ms=lead_ms,
+                                                    host_log=info["host"] if dev == "cuda"
+                                                    else None)
             except Exception as e:  # past every one's first calls: the shape is lost
                 failed[", ".join(impls)] = error_text(e)
             errors += [f"{shape_label(p)}: {name}: {e}" for name, e in failed.items()]
@@ -386,6 +402,13 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
               help="Time the implementations side by side, launch by launch, so that all "
                    "meet the same GPU clocks; or one after another, each with do_bench "
                    "(how benches were timed before the side-by-side order).")
+@click.option("--lead-ms", type=LeadMs(), default=0.0, show_default=True,
+              help="Side by side on a GPU: a GPU wait (ms, or 'auto': 1.5x the largest "
+                   "host issue time of the row's launches, at most 20) before each timed "
+                   "launch, so that the host has issued it before the GPU reaches it and "
+                   "the events time its kernels, not its Python. 0: the protocol as it "
+                   "stood, where a launch that needs more host time than GPU time reads "
+                   "its host time (rows give 'host_bound').")
 @click.option("--part", type=Part(), default=None, metavar="K/N",
               help="Only the K-th of N equal consecutive slices of the shape set, to split "
                    "a bench across jobs with time limits (merge the --json outputs with "
@@ -412,7 +435,8 @@ def _ratios(tf: dict[str, float]) -> dict[str, float]:
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: float,
-          warmup_ms: float, interpret: bool, interleave: bool, part: tuple[int, int] | None,
+          warmup_ms: float, interpret: bool, interleave: bool, lead_ms: float | str,
+          part: tuple[int, int] | None,
           precompile: bool, warm_flex: bool, impls: frozenset[str] | None, clocks: bool,
           skip_docs: tuple[str, ...], db_url: str | None, as_json: bool) -> None:
     """Compare tuned, default, the SDPA backends and FlexAttention over a shape set.
@@ -426,6 +450,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
     kernel (after $FLASHTUNE_SIGNAL_GRACE seconds, default 20).
     """
     interpreter = kernel_mode("bench", interpret)
+    if lead_ms != 0 and not interleave:
+        raise click.UsageError("--lead-ms times side by side only; leave out --in-turn")
     _, problems = shape_set(preset, shapes, from_misses, db_url)
     skipped = 0
     if skip_docs:
@@ -451,7 +477,8 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
         meta = {"device": device_info().as_dict(), "software": software_info().as_dict(),
                 "interpreter": interpreter,
                 "order": "interleaved" if interleave else "in turn",
-                "warmup_ms": warmup_ms, "rep_ms": rep_ms, "host_cpus": host_cpus(),
+                "warmup_ms": warmup_ms, "rep_ms": rep_ms, "lead_ms": lead_ms,
+                "host_cpus": host_cpus(),
                 **({"impls": sorted(impls, key=_IMPL_ORDER.index)} if impls else {}),
                 **({"part": f"{part[0]}/{part[1]}"} if part else {})}
         with warnings.catch_warnings():  # the dispatcher's warning is for training runs
@@ -500,7 +527,7 @@ def bench(preset: str | None, shapes: str | None, from_misses: bool, rep_ms: flo
                     with sampler or contextlib.nullcontext():
                         interrupted = _bench_rows(problems, table, interpreter, rep_ms,
                                                   say, rows, errors, interleave, sampler,
-                                                  impls, warmup_ms)
+                                                  impls, warmup_ms, lead_ms)
                     if sampler is not None and sampler.error:
                         meta["clocks"] = f"{meta['clocks']}; sampling stopped: {sampler.error}"
                 except KeyboardInterrupt:  # during the compiles: nothing measured
@@ -550,6 +577,11 @@ def _report(rows: list[dict[str, Any]], errors: list[str], total: int, meta: dic
             shown = "  ".join(f"{n} {v:.2f}x" for n, v in r.items() if v == v)
             if shown:
                 click.echo(f"geomean {kind}: {shown}")
+        bound = [f"{r['shape']} {r['timing']}: {', '.join(r['host']['host_bound'])}"
+                 for r in rows if r.get("host", {}).get("host_bound")]
+        if bound:
+            click.echo("host-bound (the reading is mostly the host's time to issue the "
+                       "call; --lead-ms auto times the kernels): " + "; ".join(bound))
         for e in errors:
             click.echo(f"skipped {e}", err=True)
     return not interrupted

@@ -237,6 +237,34 @@ def test_bench_times_side_by_side_unless_in_turn_and_says_which(tmp_path: Path,
                 assert 0 < r["first_calls_s"]["default"] <= r["shape_wall_s"]
 
 
+def test_bench_lead_ms_reaches_the_side_by_side_timing_and_is_checked(tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """--lead-ms goes to the side-by-side timing and into the document; a value that is
+    neither 'auto' nor 0-1000 ms, or one with --in-turn, is a usage error that says what
+    is allowed. Under the interpreter no host issue times are read (rows have no "host")."""
+    import flashtune.timing
+
+    leads: list[Any] = []
+    real = flashtune.timing.three_timings_interleaved
+    monkeypatch.setattr(flashtune.timing, "three_timings_interleaved",
+                        lambda *a, **kw: (leads.append((kw["lead_ms"], kw["host_log"])),
+                                          real(*a, **kw))[1])
+    base = ["bench", "--interpret", "--json", "--rep-ms", "1", "--shapes", _shapes(tmp_path),
+            "--db", str(tmp_path / "none.db")]
+    for value, want in (("auto", "auto"), ("0.5", 0.5)):
+        leads.clear()
+        res = CliRunner().invoke(main, [*base, "--lead-ms", value])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["lead_ms"] == want and leads == [(want, None)]
+        assert all("host" not in r for r in doc["rows"])
+    for bad in ("soon", "-1", "2000", "nan"):
+        res = CliRunner().invoke(main, [*base, "--lead-ms", bad])
+        assert res.exit_code == 2 and "neither 'auto' nor" in res.stderr, (bad, res.output)
+    res = CliRunner().invoke(main, [*base, "--lead-ms", "auto", "--in-turn"])
+    assert res.exit_code == 2 and "side by side only" in res.stderr, res.output
+
+
 def test_bench_json_reports_progress_on_stderr(tmp_path: Path) -> None:
     """--json keeps stdout one JSON document and still says on stderr which shape it is
     timing, so a run cut by a time limit tells where it was."""
