@@ -638,8 +638,10 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("nothing to merge")
     first = docs[0]
     for field in ("device", "software", "interpreter", "order", "impls", "warmup_ms",
-                  "rep_ms"):
-        values = {json.dumps(d.get(field), sort_keys=True) for d in docs}
+                  "rep_ms", "lead_ms"):
+        # A bench from before --lead-ms timed with none: 0.
+        values = {json.dumps(d.get(field, 0.0 if field == "lead_ms" else None),
+                             sort_keys=True) for d in docs}
         if len(values) > 1:
             raise ValueError(f"the parts differ in {field}: {sorted(values)}; one bench "
                              "is measured on one device and software, in one protocol")
@@ -654,7 +656,7 @@ def merge_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     total = max(measured, sum(d["shapes"]["total"] - d["shapes"].get("skipped", 0)
                               for d in docs))
     return {**{k: first[k] for k in ("device", "software", "interpreter", "order", "impls",
-                                     "warmup_ms", "rep_ms", "clocks", "host_cpus")
+                                     "warmup_ms", "rep_ms", "lead_ms", "clocks", "host_cpus")
                if k in first},
             "date": max(d["date"] for d in docs), "rows": rows,
             "geomean_ratios": geomean_ratios(rows),

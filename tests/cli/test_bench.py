@@ -493,6 +493,11 @@ def test_bench_parts_merge_into_the_whole_bench(tmp_path: Path) -> None:
         merge_parts([docs[0], dict(docs[1], warmup_ms=1000.0)])
     with pytest.raises(ValueError, match="differ in impls"):
         merge_parts([docs[0], dict(docs[1], impls=["tuned", "cudnn"])])
+    with pytest.raises(ValueError, match="differ in lead_ms"):
+        merge_parts([docs[0], dict(docs[1], lead_ms="auto")])
+    # A part from before --lead-ms had none: it merges with one timed at lead 0.
+    old_part = {k: v for k, v in docs[1].items() if k != "lead_ms"}
+    assert docs[0]["lead_ms"] == 0.0 and merge_parts([docs[0], old_part])["lead_ms"] == 0.0
     with pytest.raises(ValueError, match="more than one part"):
         merge_parts([docs[0], docs[0]])
     bad = CliRunner().invoke(main, ["bench", "--interpret", "--part", "4/4", "--shapes",
