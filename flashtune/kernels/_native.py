@@ -21,8 +21,10 @@ says when:
 
 Anything that fails (no compiler, no headers, a compile error) leaves the Python node in
 place, with the reason in :func:`status`. Programs are made only for Triton releases whose
-launcher convention the node reproduces (:data:`LAUNCHER_VERSIONS`), and only for the
-bound portable kernels (no tensor descriptors, no launch attributes). The same module also
+launcher convention the node reproduces (:data:`LAUNCHER_VERSIONS`), for the bound portable
+kernels and for the Hopper backward (:func:`_add_hopper_program`: its scratch, zeroing,
+tensor descriptors, KV-head partial sums and split side stream), never for launches with
+launch attributes or Triton scratch. The same module also
 runs a plan's bound portable forward (:func:`forward_program`): O and the LSE allocated and
 the kernel launched in C++, instead of through Triton's Python launcher.
 """
@@ -275,11 +277,32 @@ def _immediate(ty: str, value: Any) -> tuple[int, int] | None:
     return None
 
 
-def describe(launch: Any, slots: tuple[str, ...], device: int) -> tuple[Any, ...] | None:
+# A placeholder's value in a program: (slot, byte offset, descriptor template or None). A
+# slot indexes SLOTS, then the program's buffers; with a template (``_bound.template``),
+# the placeholder is a host tensor descriptor over that data, encoded per call.
+Arg = tuple[int, int, Any]
+
+
+def _args(slots: tuple[str, ...]) -> list[Arg]:
+    return [(SLOTS.index(name), 0, None) for name in slots]
+
+
+def _tma_types() -> dict[int, int]:
+    """Triton's map from a descriptor's element type in its metadata to the driver's."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    return dict(TMA_DTYPE_DEVICE_TO_HOST)
+
+
+def describe(launch: Any, args: list[Arg], device: int) -> tuple[Any, ...] | None:
     """A :class:`~flashtune.kernels._bound.BoundLaunch` bound on ``device`` as the node's
-    kernel description ``(function, grid, threads, shared, params)``; ``slots`` names the
-    tensor behind each of its placeholders. None when the node cannot launch it as Triton
-    would (not bound, another launcher, tensor descriptors, launch attributes, scratch)."""
+    kernel description ``(function, grid, threads, shared, params, maps)``; ``args`` says
+    what each of its placeholders is (:data:`Arg`). Pointers are passed as Triton's
+    launcher passes them; a tensor descriptor as the launcher expands it (its encoded map,
+    then its shape as i32 and strides as i64), the map described for
+    ``cuTensorMapEncodeTiled`` with the arguments the launcher gives it. None when the node
+    cannot launch it as Triton would (not bound, another launcher, launch attributes,
+    scratch, a descriptor without TMA metadata)."""
     bound = launch.bound.get(device)
     compiled = getattr(launch, "compiled", {}).get(device)
     if bound is None or compiled is None or launch.tail is None:
@@ -287,41 +310,65 @@ def describe(launch: Any, slots: tuple[str, ...], device: int) -> tuple[Any, ...
     md = compiled.metadata
     if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
             or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
-            or getattr(md, "tensordesc_meta", None)):
+            or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)):
         return None
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(signature, dict):
         return None
+    metas = list(getattr(md, "tensordesc_meta", None) or [])
     types = list(signature.values())
     values = [None] * launch.n_dynamic + list(launch.tail)
-    if len(types) != len(values) or len(slots) != launch.n_dynamic:
+    if len(types) != len(values) or len(args) != launch.n_dynamic:
         return None
-    params = []
+    params: list[tuple[int, int, int]] = []
+    maps: list[tuple[Any, ...]] = []
     for i, (ty, value) in enumerate(zip(types, values, strict=True)):
         if not isinstance(ty, str):
             return None  # a tuple argument
         if ty == "constexpr":
             continue
-        if ty.startswith("*"):
-            if i >= launch.n_dynamic:
+        if ty.startswith("tensordesc"):
+            if i >= launch.n_dynamic or len(maps) >= len(metas):
                 return None
-            params.append((SLOTS.index(slots[i]), 0, 8))
+            slot, offset, t = args[i]
+            meta = metas[len(maps)]
+            if t is None or not isinstance(meta, dict) or meta.get("fp4_padded") \
+                    or meta.get("is_im2col"):
+                return None
+            maps.append((slot, offset, _tma_types()[meta["elem_type"]], int(meta["swizzle"]),
+                         int(t.padding == "nan"), int(meta["elem_size"]),
+                         [int(x) for x in t.shape], [int(x) for x in t.strides],
+                         [int(x) for x in meta["block_size"]]))
+            params.append((-2, len(maps) - 1, 128))
+            params += [(-1, *_immediate("i32", x)) for x in t.shape]  # type: ignore[misc]
+            params += [(-1, *_immediate("i64", x)) for x in t.strides]  # type: ignore[misc]
+            continue
+        if ty.startswith("*"):
+            if i >= launch.n_dynamic or args[i][2] is not None:
+                return None
+            params.append((args[i][0], args[i][1], 8))
             continue
         if i < launch.n_dynamic:
-            return None  # a placeholder that is not a pointer (a tensor descriptor)
+            return None  # a placeholder that is neither a pointer nor a descriptor
         packed = _immediate(ty, value)
         if packed is None:
             return None
         params.append((-1, *packed))
+    if len(maps) != len(metas):
+        return None
     function = bound[1]
-    return (int(function), list(launch.grid), 32 * int(md.num_warps), int(md.shared), params)
+    return (int(function), list(launch.grid), 32 * int(md.num_warps), int(md.shared), params,
+            maps)
 
 
-def add_program(native: Any, bwd: Any, do: torch.Tensor, o: torch.Tensor) -> bool:
+def add_program(native: Any, bwd: Any, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> bool:
     """Give the node the program of :class:`~flashtune.kernels.attn_bwd.BwdLaunch` ``bwd``
-    (which has launched on ``do``'s device), for backwards with ``do`` and ``o``'s layouts.
-    False when it has none: not a bound variant, or a launch the node cannot make."""
+    (which has launched on these tensors' device), for backwards with ``do`` and ``o``'s
+    layouts. False when it has none: not a bound variant, or a launch the node cannot
+    make."""
+    if getattr(bwd, "hopper", None) is not None:
+        return _add_hopper_program(native, bwd.hopper, do, q, k, v, o, lse)
     from flashtune.kernels import attn_bwd
 
     if not getattr(bwd, "bound", False) or not bwd.launches or not launcher_supported():
@@ -335,11 +382,124 @@ def add_program(native: Any, bwd: Any, do: torch.Tensor, o: torch.Tensor) -> boo
     for name, launch in bwd.launches:
         slots = pointers(name, "q", "k", "v", "o", "do", "lse", delta, delta, delta,
                          "dq", "dk", "dv", ("cu_q", "cu_k") if packed else ("q", "q"))
-        described = describe(launch, tuple(slots), do.device.index)
+        described = describe(launch, _args(tuple(slots)), do.device.index)
         if described is None:
             return False
         kernels.append(described)
     native.add(do, o, not bwd.fused, kernels)
+    return True
+
+
+_NO_VIEW: tuple[int, int, list[int], list[int]] = (-1, 0, [], [])
+LAUNCH, ZERO, SUM = 0, 1, 2  # the node's step kinds
+F32, I32, LIKE_Q = 0, 1, 2  # the node's buffer dtypes
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
+def _add_hopper_program(native: Any, hop: Any, do: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor) -> bool:
+    """The program of a prepared Hopper backward
+    (:class:`~flashtune.kernels.attn_bwd_hopper.HopperBwdLaunch`, or a
+    ``SplitHopperBwdLaunch`` of two): what each part's ``run`` does, in its order - the fp32
+    dQ accumulator zeroed (whole, or the blocks no key tile visits), the delta preprocess,
+    the semaphores zeroed, the main kernel (its tensor descriptors encoded per call), the
+    KV-head partials summed into dK and dV, the dQ cast - over the part's views of the
+    call's tensors (a byte offset into each), with its scratch allocated per call. The
+    second part of a split runs on the node's side stream, forked from the current stream
+    and joined back into it, as ``SplitHopperBwdLaunch.run`` does. False where the node
+    cannot make it (no tensor-map encoder, an unbound launch, a view off 16 bytes)."""
+    ext = _State.module
+    if ext is None or not launcher_supported() or not ext.tma_ok() or not do.is_cuda:
+        return False
+    lse = lse.contiguous()  # the node serves only a contiguous LSE
+    whole = dict(q=q, k=k, v=v, o=o, do=do, lse=lse, delta=torch.empty_like(lse),
+                 dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    parts = list(getattr(hop, "parts", [hop]))
+    slices = list(getattr(hop, "plan", [None]))
+    side = len(parts) > 1 and getattr(hop, "side", None) is not None
+    buffers: list[tuple[list[int], int]] = []
+    steps: list[tuple[Any, ...]] = []
+    kernels: list[tuple[Any, ...]] = []
+    device = do.device.index
+
+    def buffer(shape: Any, dtype: int) -> int:
+        buffers.append(([int(x) for x in shape], dtype))
+        return len(SLOTS) + len(buffers) - 1
+
+    def launch(bound: Any, args: list[Arg], stream: int) -> bool:
+        described = describe(bound, args, device)
+        if described is None:
+            return False
+        kernels.append(described)
+        steps.append((LAUNCH, stream, len(kernels) - 1, _NO_VIEW, _NO_VIEW))
+        return True
+
+    def zero(slot: int, shape: list[int], offset: int = 0, sizes: list[int] | None = None,
+             stream: int = 0) -> None:
+        strides = _contiguous(shape)
+        steps.append((ZERO, stream, -1, (slot, offset, sizes or shape, strides), _NO_VIEW))
+
+    for i, (part, sl) in enumerate(zip(parts, slices, strict=True)):
+        stream = 1 if side and i > 0 else 0
+        views = dict(whole)
+        if sl is not None:
+            bs, hs_q, _ = sl
+            views.update(zip(("do", "q", "k", "v", "o"), hop._views(sl, do, q, k, v, o),
+                             strict=True))
+            views.update(zip(("dq", "dk", "dv"), hop._grads(sl, whole["dq"], whole["dk"],
+                                                            whole["dv"]), strict=True))
+            views["lse"], views["delta"] = lse[bs, hs_q], whole["delta"][bs, hs_q]
+        at = {name: (SLOTS.index(name), t.data_ptr() - whole[name].data_ptr())
+              for name, t in views.items()}
+        if any(offset % 16 for _, offset in at.values()):
+            return False
+        acc_shape = list(part.acc_shape)
+        acc = buffer(acc_shape, F32)
+        sem = buffer(part.sem_shape, I32) if part.deterministic else acc
+        if part.frag:
+            if part.zero_blocks is None:
+                zero(acc, acc_shape, stream=stream)
+            else:
+                step = _contiguous(acc_shape)[1]
+                for a, z in part.zero_blocks:
+                    zero(acc, acc_shape, a * step, [acc_shape[0], z - a, *acc_shape[2:]],
+                         stream)
+        if not launch(part.pre, [(*at["o"], None), (*at["do"], None), (*at["delta"], None),
+                                 (acc, 0, None)], stream):
+            return False
+        if part.deterministic:
+            zero(sem, list(part.sem_shape), stream=stream)
+        tq, tdo, tk, tv, tacc = part.templates
+        dkdv = part.dkdv or (None, None)
+        if part.kv_rep > 1:
+            b, hk, sk, d = views["dk"].shape
+            partial = [b, hk * part.kv_rep, sk, d]
+            grads = [(buffer(partial, LIKE_Q), 0, dkdv[0]), (buffer(partial, LIKE_Q), 0, dkdv[1])]
+        else:
+            grads = [(*at["dk"], dkdv[0]), (*at["dv"], dkdv[1])]
+        if not launch(part.main, [(*at["q"], tq), (*at["do"], tdo), (*at["k"], tk),
+                                  (*at["v"], tv), (*at["lse"], part.rows),
+                                  (*at["delta"], part.rows), (acc, 0, tacc), *grads,
+                                  (sem, 0, None)], stream):
+            return False
+        if part.kv_rep > 1:
+            for name, (slot, _, _) in zip(("dk", "dv"), grads, strict=True):
+                t = views[name]
+                b, hk, sk, d = t.shape
+                into = (at[name][0], at[name][1] // t.element_size(), list(t.shape),
+                        list(t.stride()))
+                shape = [b, hk, part.kv_rep, sk, d]
+                steps.append((SUM, stream, -1, into, (slot, 0, shape, _contiguous(shape))))
+        if not launch(part.finish, [(acc, 0, None), (*at["dq"], None)], stream):
+            return False
+    native.add(do, o, True, kernels, buffers, steps, side)
     return True
 
 
@@ -351,7 +511,7 @@ def forward_program(ext: Any, fwd: Any, q: torch.Tensor, packed: bool) -> Any:
     if fwd.hopper is not None or fwd.descriptors is not None or not launcher_supported():
         return None
     cu = ("cu_q", "cu_k") if packed else ("q", "q")
-    described = describe(fwd.launch, ("q", "k", "v", "o", "lse", "k", "v", *cu),
+    described = describe(fwd.launch, _args(("q", "k", "v", "o", "lse", "k", "v", *cu)),
                          q.device.index)
     if described is None:
         return None

@@ -176,7 +176,7 @@ class Plan:
         if self.native is not None and key not in self.programs and self.bwd.get(key) is launch:
             # Bound now: the C++ node may launch it from here on (_native.add_program).
             self.programs.add(key)
-            _native.add_program(self.native, launch, do, o)
+            _native.add_program(self.native, launch, do, q, k, v, o, lse)
         return grads
 
     def forget(self, family: tuple[Any, ...] | None = None) -> bool:

@@ -356,3 +356,110 @@ def test_programs_launch_on_the_tensors_device_whatever_the_current_one(
     assert torch.equal(o, want_o)
     for got, ref in zip(grads, want, strict=True):
         assert torch.equal(got, ref)
+
+
+def _hopper_programs(seed: int) -> list[str]:
+    """The Hopper backward's programs (child process, watchdog): for each config - whole
+    and split in two, the accumulator zeroed whole or in blocks, dK and dV stored through
+    descriptors or from registers, KV heads split into partials and summed, rows instead
+    of fragments, the free order - the second and later backwards of a signature run from
+    the node's program (no Python), on the current stream or another, and give the Python
+    path's bits (the free order's dQ, summed in no fixed order, within rounding of them);
+    a CUDA graph captures a split program and replays it on new data."""
+    import dataclasses
+
+    from flashtune.kernels.attn_bwd_hopper import check_launch_plan
+    from flashtune.kernels.config import BWD_HOPPER, check_bwd
+
+    from .helpers import check_graph_replay, make_qkv
+
+    os.environ[_native.ENV] = "1"
+    ext = _native.module(wait=True)
+    if ext is None:
+        return [f"no extension: {_native.status()}"]
+    if not ext.tma_ok():
+        return ["the driver has no cuTensorMapEncodeTiled"]
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    cases = [
+        (Problem(2, 4, 4, 1000, 1000, 64, "bf16", False, (300, 0), deterministic=True),
+         "bhsd", dict(hopper_split=1)),
+        (Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, deterministic=True), "bshd",
+         dict(hopper_split=2, hopper_dq_frag=1, hopper_dq_store_first=2, hopper_dkdv_tma=1)),
+        (Problem(1, 8, 2, 1024, 1024, 64, "bf16", True, deterministic=True), "bhsd",
+         dict(hopper_split=2, hopper_kv_rep=2, hopper_dq_frag=1, hopper_dq_store_first=2,
+              hopper_dkdv_tma=1)),
+        (Problem(2, 8, 2, 1030, 1030, 64, "fp16", False, deterministic=True), "bhsd",
+         dict(hopper_split=1, hopper_kv_rep=4, hopper_dq_frag=0, hopper_dq_groups=1)),
+        (Problem(2, 4, 4, 700, 700, 128, "bf16", True, deterministic=True), "bhsd",
+         dict(hopper_split=2, hopper_dq_frag=0, hopper_dq_groups=0)),
+        (Problem(2, 4, 4, 1030, 1030, 64, "bf16", True, deterministic=False), "bhsd",
+         dict(hopper_split=2, hopper_dq_frag=1)),
+        (Problem(4, 4, 4, 512, 512, 64, "bf16", True, deterministic=True), "bhsd",
+         dict(hopper_split=2, hopper_dq_frag=1, hopper_dq_store_first=1)),
+    ]
+    for p, layout, knobs in cases:
+        name = f"{p} {layout} {knobs}"
+        cfg = dataclasses.replace(default_bwd(p, BWD_HOPPER), **knobs)
+        check_bwd(cfg, p)
+        check_launch_plan(cfg, p.head_dim, p.deterministic)
+        config = (default_fwd(p), cfg)
+        q, k, v, do = make_qkv(p, "cuda", layout, gen)
+
+        def step(q=q, k=k, v=v, do=do, p=p, config=config):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = flash_attention(qg, kg, vg, causal=p.causal, window_size=p.window,
+                                  config=config, deterministic=p.deterministic)
+            return out.grad_fn.name(), torch.autograd.grad(out, (qg, kg, vg), do)
+
+        native_for = _autograd._native_for
+        _autograd._native_for = lambda q: None  # the Python node
+        try:
+            _, want = step()
+        finally:
+            _autograd._native_for = native_for
+        paths = []
+        for i in range(4):
+            before = ext.counts()
+            stream = torch.cuda.Stream() if i == 3 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn, grads = step()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            paths.append(tuple(a - b for a, b in zip(ext.counts(), before, strict=True)))
+            for label, got, ref in zip("qkv", grads, want, strict=True):
+                if p.deterministic or label != "q":
+                    same = torch.equal(got, ref)
+                else:
+                    same = torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+                if not same:
+                    err = (got.float() - ref.float()).abs().max().item()
+                    failures.append(f"{name}: call {i} d{label} differs (max {err:.3g})")
+        if paths != [(0, 1), (1, 0), (1, 0), (1, 0)]:
+            failures.append(f"{name}: (native, python) backwards per call {paths}")
+        if knobs.get("hopper_split") == 2 and p.deterministic and layout == "bshd":
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+            def captured(qg=qg, kg=kg, vg=vg, do=do, p=p, config=config):
+                out = flash_attention(qg, kg, vg, causal=p.causal, config=config)
+                return torch.autograd.grad(out, (qg, kg, vg), do)
+
+            try:
+                check_graph_replay(captured, (qg, kg, vg, do), gen)
+            except AssertionError as e:
+                failures.append(f"{name}: graph replay: {e}")
+    return failures
+
+
+@pytest.mark.gpu
+def test_hopper_programs_give_the_bits_of_the_python_backward(seed: int) -> None:
+    from flashtune.kernels.config import hopper_support
+
+    from .helpers import run_watched
+
+    reason = hopper_support()
+    if reason:
+        pytest.skip(f"Hopper kernels cannot run here: {reason}")
+    failures = run_watched(__name__, "_hopper_programs", seed, 600.0)
+    assert not failures, "\n".join(failures)
