@@ -499,7 +499,12 @@ def _add_hopper_program(native: Any, hop: Any, do: torch.Tensor, q: torch.Tensor
                 steps.append((SUM, stream, -1, into, (slot, 0, shape, _contiguous(shape))))
         if not launch(part.finish, [(acc, 0, None), (*at["dq"], None)], stream):
             return False
-    native.add(do, o, True, kernels, buffers, steps, side)
+    try:
+        native.add(do, o, True, kernels, buffers, steps, side)
+    except (ValueError, RuntimeError) as e:  # the backward itself has run: keep it serving
+        warnings.warn(f"flashtune: the C++ node refused a Hopper backward program ({e}); "
+                      "the Python path serves these calls", RuntimeWarning, stacklevel=2)
+        return False
     return True
 
 
