@@ -263,6 +263,24 @@ def _hopper_dq_rows_point(c: dict[str, Any], p: Problem) -> dict[str, Any] | Non
     return _hopper_dq_rows(c, p) or None
 
 
+def _hopper_unordered(c: dict[str, Any], p: Problem) -> dict[str, Any]:
+    """For a ``deterministic=False`` call: the fixed order's dQ staging without its turns
+    (``hopper_dq_unordered``), a masked call's heaviest key tiles launched first. Beside the
+    shipped H200 free-call configs at D=128, as a module copy (session 67,
+    ``bwd_free_order_ab.py``): causal 1.07x at 16k, 1.02x at 8k, 0.95-0.98x at 1k-2k (the
+    accumulator zeroed whole, which the first turn's stores had spared); unmasked
+    1.01-1.03x from 3k keys but 4k (0.97x). A deterministic call keeps the turns."""
+    if p.deterministic:
+        return {}
+    return {"hopper_dq_fixed": 1, "hopper_dq_unordered": 1, "hopper_dq_store_first": 0}
+
+
+def _hopper_unordered_point(c: dict[str, Any], p: Problem) -> dict[str, Any] | None:
+    """:func:`_hopper_unordered` as the move of a prior point of its own, left out (None)
+    for a deterministic call."""
+    return _hopper_unordered(c, p) or None
+
+
 def _hopper_newest(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     """dQ staged in register order, its first turn stored, dK and dV stored with TMA: the
     knobs of sessions 48, 52 and 56 in one move, for winners tuned before them. One at a
@@ -380,6 +398,8 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
                       _hopper_kv_rep_deep)),
         (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
                       _hopper_dq_rows_point)),
+        (BWD_HOPPER, (_hopper_rows, _hopper_frag, _hopper_store_first, _hopper_split,
+                      _hopper_dkdv_tma, _hopper_unordered_point)),
         (BWD_HOPPER, (_hopper_rows,)),
         (BWD_HOPPER, (_hopper_rows, _hopper_deep, _hopper_groups)),
         (BWD_HOPPER, (_hopper_rows, _hopper_groups, _hopper_kv_regs)),
@@ -403,7 +423,7 @@ BWD_PRIORS: dict[int, list[tuple[int, tuple[PointMove, ...]]]] = {
 # never tried. A knob that lands later adds its move here.
 WINNER_MOVES: dict[int, tuple[Move, ...]] = {
     9: (_hopper_store_first, _hopper_split, _hopper_dkdv_tma, _hopper_newest,
-        _hopper_persist, _hopper_kv_rep, _hopper_dq_rows)}
+        _hopper_persist, _hopper_kv_rep, _hopper_dq_rows, _hopper_unordered)}
 
 
 def _major(capability: str) -> int | None:

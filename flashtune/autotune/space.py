@@ -118,9 +118,10 @@ class SearchSpace:
 
     def for_problem(self, problem: Problem) -> SearchSpace:
         """This space less the choices ``problem`` cannot take: a deterministic backward
-        always runs the Hopper kernel's fixed dQ order, so ``hopper_dq_fixed`` stays at 0
-        there (1 is for ``deterministic=False`` calls; the feasibility rules refuse it), and
-        neither the sampler nor a polishing walk spends a pick on it. Likewise
+        always runs the Hopper kernel's fixed dQ order, so ``hopper_dq_fixed`` and
+        ``hopper_dq_unordered`` stay at 0 there (1 is for ``deterministic=False`` calls; the
+        feasibility rules refuse it), and neither the sampler nor a polishing walk spends a
+        pick on them. Likewise
         ``hopper_kv_regs`` stays at 0 where the head dim is not 64 (K and V only fit in
         registers there), ``hopper_dq_rows`` at 0 above head dim 64 (it splits 128-row
         query tiles, which only fit up to 64), and ``hopper_kv_rep`` at the divisors of the
@@ -128,8 +129,10 @@ class SearchSpace:
         out = self
         if self.direction != "bwd":
             return out
-        if problem.deterministic and len(out.fields.get("hopper_dq_fixed", ())) > 1:
-            out = out.restrict(hopper_dq_fixed=0)
+        if problem.deterministic:
+            for name in ("hopper_dq_fixed", "hopper_dq_unordered"):
+                if len(out.fields.get(name, ())) > 1:
+                    out = out.restrict(**{name: 0})
         if problem.head_dim != 64 and len(out.fields.get("hopper_kv_regs", ())) > 1:
             out = out.restrict(hopper_kv_regs=0)
         if problem.head_dim > 64 and len(out.fields.get("hopper_dq_rows", ())) > 1:

@@ -462,7 +462,7 @@ def _add_hopper_program(native: Any, hop: Any, do: torch.Tensor, q: torch.Tensor
             return False
         acc_shape = list(part.acc_shape)
         acc = buffer(acc_shape, F32)
-        sem = buffer(part.sem_shape, I32) if part.deterministic else acc
+        sem = buffer(part.sem_shape, I32) if part.turns else acc
         if part.frag:
             if part.zero_blocks is None:
                 zero(acc, acc_shape, stream=stream)
@@ -474,7 +474,7 @@ def _add_hopper_program(native: Any, hop: Any, do: torch.Tensor, q: torch.Tensor
         if not launch(part.pre, [(*at["o"], None), (*at["do"], None), (*at["delta"], None),
                                  (acc, 0, None)], stream):
             return False
-        if part.deterministic:
+        if part.turns:
             zero(sem, list(part.sem_shape), stream=stream)
         tq, tdo, tk, tv, tacc = part.templates
         dkdv = part.dkdv or (None, None)

@@ -34,6 +34,14 @@ tile: 1.01-1.05x on seven of ten deterministic D=64 H200 entries (0.98-1.00x on 
 other three), the same bits (each element sums the same products in the same order).
 dK and dV never race: one program owns each key tile, and GQA heads are summed in order.
 
+**A free call in the fixed order's staging, without the turns** (``TURNS`` off,
+``hopper_dq_unordered``, ``deterministic=False`` only): the writers add each chunk as
+soon as it is staged, so the fp32 sums come in any order, and the whole accumulator is
+zeroed per call (no first turn stores). With no turns to wait for, a masked call
+launches each head's heaviest key tile first (ORDER 0) instead of its lightest (ORDER
+1), so the grid no longer ends on long programs: at 1x16x16384x128 causal, where ncu put
+the SMs idle 6.9% of the main kernel (the tail), 1.07x its turned twin (H200, session 67).
+
 **Persistent over heads** (``PERSIST``, ``hopper_persist``, calls without a mask): the grid
 is G programs per key tile (:func:`persistent_heads`: as many whole heads as the SMs hold),
 and program g walks heads g, g + G, ... in turn, each head as above. The producer loads a
@@ -422,7 +430,7 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
                    CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    ORDER: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr, STORE_FIRST: gl.constexpr,
-                   PERSIST: gl.constexpr):
+                   PERSIST: gl.constexpr, TURNS: gl.constexpr):
     """The fixed order's dQ adds of consumer ``cid``'s columns, in one warp (one writer per
     consumer: their column halves have semaphores of their own, so the two writers' turns
     overlap): for each query tile the program visits, in the consumers' order, wait for
@@ -439,12 +447,12 @@ def _bwd_dq_writer(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, 
             cnt = _writer_head(cid, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                seq_k, offset, left, right, n_m, bhk, cnt, GQA, WALK, CONSUMERS,
                                BLOCK_M, D, ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                               STORE_FIRST, PERSIST)
+                               STORE_FIRST, PERSIST, TURNS)
     else:
         _writer_head(cid, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q, seq_k,
                      offset, left, right, n_m, 0, 0, GQA, WALK, CONSUMERS,
                      BLOCK_M, D, ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT, STORE_FIRST,
-                     PERSIST)
+                     PERSIST, TURNS)
 
 
 @gluon.jit
@@ -462,7 +470,7 @@ def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, he
                  WALK: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                  D: gl.constexpr, ORDER: gl.constexpr, MASK_LEFT: gl.constexpr,
                  MASK_RIGHT: gl.constexpr, DQ_RING: gl.constexpr, DQ_LAYOUT: gl.constexpr,
-                 STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr):
+                 STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr, TURNS: gl.constexpr):
     """The dQ writer's turns for (batch x KV head) ``bhk``, its ring counter at ``cnt_in``
     (returned advanced)."""
     BLOCK_N: gl.constexpr = 64 * CONSUMERS
@@ -501,10 +509,12 @@ def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, he
                 h = hk * GQA + g
                 bh = (b * heads_q + h).to(gl.int64)
             start = _query_tile(it, lo, n_m, pid_n, ORDER, BLOCK_M)
-            sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset, left,
-                                 right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT, MASK_RIGHT)
-            while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                pass
+            if TURNS:
+                sem, turn = _dq_turn(Sem, bh * n_m, start, pid_n, cid, n_m, seq_k, offset,
+                                     left, right, CONSUMERS, BLOCK_M, ORDER, MASK_LEFT,
+                                     MASK_RIGHT)
+                while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                    pass
             for c in gl.static_range(CHUNKS):
                 slot = (cnt * CHUNKS + c) % DQ_RING
                 mbarrier.wait(dq_full.index(cid * DQ_RING + slot),
@@ -553,7 +563,8 @@ def _writer_head(cid: gl.constexpr, desc_dq, dq_smem, dq_full, dq_empty, Sem, he
             elif STORE_FIRST:
                 if turn == 0:
                     _bulk_writes_done()
-            gl.atomic_xchg(sem, turn + 1, sem="release")
+            if TURNS:
+                gl.atomic_xchg(sem, turn + 1, sem="release")
             cnt += 1
     return cnt
 
@@ -972,9 +983,10 @@ def _attn_bwd_hopper_kernel(
     DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_RING: gl.constexpr,
     DS_BUFS: gl.constexpr, STAGE_LSE: gl.constexpr, DQ_LAYOUT: gl.constexpr,
     KV_REGS: gl.constexpr, STORE_FIRST: gl.constexpr, PERSIST: gl.constexpr,
-    DKDV_TMA: gl.constexpr, KV_REP: gl.constexpr,
+    DKDV_TMA: gl.constexpr, KV_REP: gl.constexpr, TURNS: gl.constexpr,
 ):
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(TURNS or STORE_FIRST == 0)  # (a first turn needs the turns)
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     offset = seq_k - seq_q  # bottom-right alignment of the causal / window diagonal
@@ -1083,11 +1095,11 @@ def _attn_bwd_hopper_kernel(
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST, PERSIST)),
+                                  STORE_FIRST, PERSIST, TURNS)),
                 (_bwd_dq_writer, (1, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST, PERSIST)),
+                                  STORE_FIRST, PERSIST, TURNS)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
         else:
             gl.warp_specialize([
@@ -1110,7 +1122,7 @@ def _attn_bwd_hopper_kernel(
                 (_bwd_dq_writer, (0, desc_dq, dq_smem, dq_full, dq_empty, Sem, heads_kv, seq_q,
                                   seq_k, offset, left, right, n_m, GQA, WALK, CONSUMERS, BLOCK_M, D,
                                   ORDER, MASK_LEFT, MASK_RIGHT, DQ_RING, DQ_LAYOUT,
-                                  STORE_FIRST, PERSIST)),
+                                  STORE_FIRST, PERSIST, TURNS)),
             ], [1, 1], [24, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -1377,17 +1389,23 @@ class HopperBwdLaunch(_Launch):
         left, right, mask_left, mask_right = mask
         qk_scale, cap_scale, cap_log2 = scales
         m, n = c.hopper_block_m, c.hopper_block_n
+        # hopper_dq_unordered: a free-order call in the fixed order's staging, without its
+        # turns (the feasibility rules allow it only there).
+        unordered = bool(c.hopper_dq_unordered) and not deterministic
         # A free-order call whose staging does not fit runs in the fixed order.
         deterministic = hopper_bwd_fixed_order(c, d, deterministic)
+        self.turns = deterministic and not unordered
         n_m = triton.cdiv(sq, m)
         n_n = triton.cdiv(sk, n)
         # The order of dQ turns (see _dq_turn). A program waits only for programs launched
         # before it, except in the cyclic order (ORDER 2), where the first programs of a
         # head wait for its last: there every key tile of a head must be resident at once,
-        # which half the SMs guarantee with room to spare.
+        # which half the SMs guarantee with room to spare. Without turns a masked call
+        # launches each head's heaviest key tile first (ORDER 0), so that no heavy program
+        # starts at the grid's end.
         if mask_left or mask_right:
-            order = 1 if deterministic else 0
-        elif deterministic:
+            order = 1 if self.turns else 0
+        elif self.turns:
             order = 2 if n_n <= _sm_count(q.device.index or 0) // 2 else 0
         else:
             order = 2 if c.hopper_stagger else 0
@@ -1410,7 +1428,7 @@ class HopperBwdLaunch(_Launch):
         # visits: the first turn of every other tile stores its dQ (see _bwd_dq_writer).
         self.zero_blocks: list[tuple[int, int]] | None = None
         # (1: the writer branches on the turn; 2: it issues both TMA ops, see _bwd_dq_writer)
-        store_first = c.hopper_dq_store_first if self.frag and deterministic else 0
+        store_first = c.hopper_dq_store_first if self.frag and self.turns else 0
         if store_first:
             per_tile = d // dq_cols
             self.zero_blocks = [(a * per_tile, z * per_tile) for a, z in unvisited_query_tiles(
@@ -1478,7 +1496,7 @@ class HopperBwdLaunch(_Launch):
                  DQ_LAYOUT=3 if dq_rows else 2 if self.frag else int(groups),
                  KV_REGS=bool(c.hopper_kv_regs), STORE_FIRST=store_first,
                  PERSIST=persist, DKDV_TMA=self.dkdv is not None, KV_REP=self.kv_rep,
-                 num_warps=4), 10)
+                 TURNS=self.turns, num_warps=4), 10)
         # dS carried the softmax scale: the cast scales by 1.
         if self.frag:
             self.finish = BoundLaunch(
@@ -1499,11 +1517,11 @@ class HopperBwdLaunch(_Launch):
                 torch.empty_like(lse), *self.scratch(q.device))
 
     def scratch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the fp32 dQ accumulator, the semaphores: the accumulator again in the free
-        order, which has none), new."""
+        """(the fp32 dQ accumulator, the semaphores: the accumulator again where the adds
+        take no turns, which need none), new."""
         dq_acc = torch.empty(self.acc_shape, device=device, dtype=torch.float32)
         sem = (torch.empty(self.sem_shape, device=device, dtype=torch.int32)
-               if self.deterministic else dq_acc)
+               if self.turns else dq_acc)
         return dq_acc, sem
 
     def run(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1520,7 +1538,7 @@ class HopperBwdLaunch(_Launch):
                 for a, z in self.zero_blocks:
                     dq_acc[:, a:z].zero_()
         self.pre(o, do, delta, dq_acc)
-        if self.deterministic:
+        if self.turns:
             sem.zero_()
         rows = ((descriptor_like(self.rows, lse), descriptor_like(self.rows, delta))
                 if self.rows is not None else (lse, delta))

@@ -230,6 +230,13 @@ class BwdConfig:
                                "hopper_dq_frag=1: 1 splits each dQ tile between the two "
                                "consumers by query rows (each its 64 rows, every column, "
                                "over both consumers' keys), 0 by columns", variants=_BH)
+    hopper_dq_unordered: int = knob(0, (0, 1), "Hopper, deterministic=False calls in the "
+                                    "fixed order's dQ staging (hopper_dq_fixed=1, or a free "
+                                    "staging that does not fit): 1 adds each dQ chunk as soon "
+                                    "as it is staged, without the fixed order's turns, and "
+                                    "launches a masked call's heaviest key tiles first; the "
+                                    "fp32 accumulator is then zeroed whole per call (0: the "
+                                    "turns)", variants=_BH)
 
     kind = "bwd"
 
@@ -643,6 +650,18 @@ def _check_bwd_hopper(c: BwdConfig, p: Problem, smem_bytes: int) -> None:
             "bwd hopper: hopper_dq_fixed=1 is for deterministic=False calls; a deterministic "
             "call always takes the fixed dQ order (use 0)")
     fixed = hopper_bwd_fixed_order(c, p.head_dim, p.deterministic, smem_bytes)
+    if c.hopper_dq_unordered and (p.deterministic or not fixed):
+        raise InfeasibleConfigError(
+            "bwd hopper: hopper_dq_unordered=1 drops the fixed dQ order's turns, for "
+            "deterministic=False calls in the fixed order's staging; " + (
+                "a deterministic call needs the turns (use 0)" if p.deterministic else
+                "this call's free order fits and takes no turns anyway (use 0, or "
+                "hopper_dq_fixed=1 for the fixed order's staging)"))
+    if c.hopper_dq_unordered and c.hopper_dq_store_first:
+        raise InfeasibleConfigError(
+            f"bwd hopper: hopper_dq_store_first={c.hopper_dq_store_first} stores each query "
+            "tile's first dQ turn, and hopper_dq_unordered=1 takes no turns (nothing comes "
+            "first); set one of them")
     if c.hopper_dq_groups and not fixed:
         raise InfeasibleConfigError(
             "bwd hopper: hopper_dq_groups=1 stages the fixed dQ order's chunks, and this "

@@ -560,14 +560,19 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
         # Last, dQ in register order with its first turn stored, in the fixed order, the
         # writer issuing both TMA ops at these lengths (more than 1k keys).
         first = {"hopper_dq_store_first": 2, **({} if deterministic else {"hopper_dq_fixed": 1})}
+        unordered = {"hopper_dq_store_first": 0, "hopper_dq_unordered": 1}
         if head_dim > 64:
             assert (base["hopper_dq_frag"], base["hopper_dq_groups"]) == (1, 0)
             newest = {**base, **first, "hopper_split": 2, "hopper_dkdv_tma": 1}
             # Unmasked at head dim 128, first the last point with three stages (the shipped
-            # winners' depth there), consumers keeping the default's registers.
-            assert hopper == points[-5:] == [{**newest, "hopper_stages": 3}, {**base, **deep},
-                                             {**base, **first},
-                                             {**base, **first, "hopper_split": 2}, newest]
+            # winners' depth there), consumers keeping the default's registers; for a
+            # deterministic=False call then the last point without the fixed order's turns.
+            want = [{**newest, "hopper_stages": 3}]
+            if not deterministic:
+                want.append({**newest, **unordered})
+            want += [{**base, **deep}, {**base, **first}, {**base, **first, "hopper_split": 2},
+                     newest]
+            assert hopper == points[-len(want):] == want
         else:
             assert base["hopper_kv_regs"] == 1 and base["hopper_dq_frag"] == 0
             rows = {**base, "hopper_block_m": 128, "hopper_kv_regs": 0}
@@ -579,6 +584,11 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
             # with dQ's tiles split by rows (hopper_dq_rows, session 63; first since 64).
             want = [{**rows, "hopper_dq_frag": 1, **first, "hopper_split": 2,
                      "hopper_dq_rows": 1}] if deterministic else []
+            # A deterministic=False call: dQ in register order, two halves, dK and dV by
+            # TMA, in the fixed order's staging without its turns (hopper_dq_unordered).
+            if not deterministic:
+                want.append({**rows, "hopper_dq_frag": 1, **first, "hopper_split": 2,
+                             "hopper_dkdv_tma": 1, **unordered})
             want += [rows, {**rows, **deep, **groups}]
             if deterministic:
                 want.append({**rows, **groups, "hopper_kv_regs": 1})
@@ -715,9 +725,11 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
                                                        split, tma,
                                                        {**tma, "hopper_dq_store_first": 1}]
     free = replace(p, deterministic=False)
+    # A deterministic=False call also tries the fixed order's staging without its turns.
     assert winner_points("bwd", won, free, "9.0") == [
         {**won, "hopper_dq_store_first": 2, "hopper_dq_fixed": 1}, split, tma,
-        {**both, "hopper_dq_fixed": 1}]
+        {**both, "hopper_dq_fixed": 1},
+        {**won, "hopper_dq_fixed": 1, "hopper_dq_unordered": 1}]
     # One sequence of one KV head: nothing to split.
     alone = replace(p, batch=1, heads_q=1, heads_kv=1)
     assert winner_points("bwd", won, alone, "9.0") == [{**won, "hopper_dq_store_first": 2},

@@ -501,6 +501,48 @@ def _dq_rows(seed: int) -> list[str]:
     return failures
 
 
+def _dq_unordered(seed: int) -> list[str]:
+    """``hopper_dq_unordered=1``: a ``deterministic=False`` call in the fixed order's dQ
+    staging that adds each chunk without waiting for its turn, masked calls launching
+    their heaviest key tiles first. Against the reference, and within rounding of the same
+    config with the turns, call after call and as the tuner times it: dQ staged in rows,
+    column groups and register order, the 128-row split by rows, odd lengths, Sq != Sk,
+    fp16, a window, a GQA causal call in two halves with virtual KV heads and dK and dV
+    stored by TMA, persistent programs, and three stages (the free staging does not fit,
+    so the call is in the fixed staging without hopper_dq_fixed)."""
+    import torch
+
+    from flashtune.kernels.config import BWD_HOPPER, default_bwd
+    from flashtune.problem import Problem
+
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for p, layout, knobs in (
+            (Problem(2, 4, 4, 1000, 1100, 128, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_dq_frag": 1}),
+            (Problem(1, 8, 2, 777, 901, 128, "fp16", False, deterministic=False), "bshd",
+             {"hopper_dq_frag": 0, "hopper_dq_groups": 1}),
+            (Problem(2, 4, 4, 700, 1000, 128, "bf16", False, (300, 40), deterministic=False),
+             "bhsd", {"hopper_dq_frag": 0, "hopper_dq_groups": 0}),
+            (Problem(2, 8, 2, 1030, 1030, 128, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_dq_frag": 1, "hopper_split": 2, "hopper_dkdv_tma": 1,
+              "hopper_kv_rep": 2}),
+            (Problem(5, 4, 4, 1024, 1024, 128, "bf16", False, deterministic=False), "bshd",
+             {"hopper_dq_frag": 1, "hopper_persist": 1, "hopper_dkdv_tma": 1}),
+            (Problem(1, 4, 4, 1500, 1300, 128, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_dq_frag": 1, "hopper_stages": 3, "hopper_dq_fixed": 0}),
+            (Problem(2, 4, 4, 1000, 1000, 64, "bf16", True, deterministic=False), "bhsd",
+             {"hopper_block_m": 128, "hopper_dq_frag": 1, "hopper_dq_rows": 1,
+              "hopper_split": 2})):
+        base = dataclasses.replace(default_bwd(p, BWD_HOPPER),
+                                   **{"hopper_dq_fixed": 1, "hopper_dq_store_first": 0,
+                                      "hopper_kv_regs": 0, **knobs})
+        cand = dataclasses.replace(base, hopper_dq_unordered=1)
+        failures += _against_base(p, layout, gen, base, cand, f"dq_unordered {knobs}",
+                                  "the turns'")
+    return failures
+
+
 def _kv_rep(seed: int) -> list[str]:
     """``hopper_kv_rep`` (virtual KV heads): r programs per key tile and KV head, each over
     1/r of the group's query heads, dK and dV summed from per-program partials after the
@@ -609,7 +651,7 @@ def needs_hopper() -> None:
 @pytest.mark.parametrize("group", ["_grid", "_random_configs", "_bit_identical",
                                    "_bound_launches", "_defaults", "_tuner_launch",
                                    "_store_first", "_split", "_persist", "_dkdv_tma",
-                                   "_kv_rep", "_dq_rows"])
+                                   "_kv_rep", "_dq_rows", "_dq_unordered"])
 def test_hopper_backward(group: str, seed: int, needs_hopper: None) -> None:
     from .helpers import run_watched
 

@@ -199,7 +199,7 @@ def test_active_fields_and_round_trip() -> None:
             "hopper_stagger", "hopper_walk", "hopper_dq_fixed", "hopper_dq_groups",
             "hopper_kv_regs", "hopper_dq_frag", "hopper_dq_store_first", "hopper_split",
             "hopper_persist", "hopper_dkdv_tma", "hopper_kv_rep", "hopper_dq_rows",
-            "pre_block_m",
+            "hopper_dq_unordered", "pre_block_m",
             "variant"} == fields
     assert not fields & set(active_fields(BwdConfig, BWD_TWO_KERNEL)) - {"pre_block_m",
                                                                          "variant"}
@@ -231,6 +231,70 @@ def test_dq_fixed_keeps_a_free_order_call_in_the_fixed_order(on_hopper: None) ->
     assert for_nondeterministic_call(HOP) == pinned
     portable = default_bwd(dataclasses.replace(P, head_dim=96))
     assert for_nondeterministic_call(portable) is portable
+
+
+def test_dq_unordered_drops_the_turns_of_a_free_call_in_the_fixed_staging(
+        on_hopper: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hopper_dq_unordered`` (session 67): 1 runs a ``deterministic=False`` call in the
+    fixed order's dQ staging without its turns. Configs written before it read as 0. The
+    rules allow it only there: a deterministic call (it needs the turns), a free call whose
+    free staging fits (it has no turns) and a first turn stored (there is none) refuse it;
+    a search of a deterministic problem never proposes it. The launch takes no semaphores,
+    zeroes the whole accumulator, and under a mask launches each head's heaviest key tile
+    first (ORDER 0), where the turns launch the lightest first (ORDER 1)."""
+    import torch
+
+    from flashtune.kernels import attn_bwd_hopper
+    from flashtune.kernels.attn_bwd_hopper import HopperBwdLaunch
+
+    monkeypatch.setattr(attn_bwd_hopper, "_sm_count", lambda index: 132)  # (an H100/H200)
+    old = config_to_dict(HOP)
+    del old["hopper_dq_unordered"]
+    assert config_from_dict("bwd", old).hopper_dq_unordered == 0
+    fixed = dataclasses.replace(HOP, hopper_dq_fixed=1, hopper_dq_frag=1)
+    loose = dataclasses.replace(fixed, hopper_dq_unordered=1)
+    assert config_from_dict("bwd", config_to_dict(loose)) == loose
+    free = dataclasses.replace(P, deterministic=False)
+    det = dataclasses.replace(P, deterministic=True)
+    check_bwd(loose, free)
+    # Three 64 x 128 stages leave the free staging no room: the fixed staging, unpinned.
+    deep = dataclasses.replace(HOP, hopper_stages=3, hopper_dq_unordered=1)
+    assert hopper_bwd_fixed_order(deep, 128, False)
+    check_bwd(deep, free)
+    with pytest.raises(InfeasibleConfigError, match="a deterministic call needs the turns"):
+        check_bwd(dataclasses.replace(HOP, hopper_dq_unordered=1), det)
+    with pytest.raises(InfeasibleConfigError, match="free order fits and takes no turns"):
+        check_bwd(dataclasses.replace(HOP, hopper_dq_unordered=1), free)
+    with pytest.raises(InfeasibleConfigError, match="takes no turns .nothing comes first"):
+        check_bwd(dataclasses.replace(loose, hopper_dq_store_first=2), free)
+    full = SearchSpace.full("bwd")
+    assert full.for_problem(det).fields["hopper_dq_unordered"] == (0,)
+    assert full.for_problem(free).fields["hopper_dq_unordered"] == (0, 1)
+
+    b, h, s, d = 2, 4, 1000, 128
+    q, do, o, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(5))
+    for mask, turned, loosened in (((-1, 0, False, True), 1, 0), ((-1, -1, False, False), 2, 2)):
+        plans = {}
+        for name, cfg, det_call in (("det", dataclasses.replace(fixed, hopper_dq_fixed=0,
+                                                                hopper_dq_store_first=2), True),
+                                    ("turns", fixed, False), ("loose", loose, False)):
+            plans[name] = HopperBwdLaunch(do, q, k, v, o, sm_scale=0.125, mask=mask,
+                                          scales=(0.18, 0.0, 0.0), softcap=0.0, config=cfg,
+                                          deterministic=det_call)
+        for name in ("det", "turns"):
+            kw = plans[name].main.kwargs
+            assert plans[name].turns and kw["TURNS"] and kw["DETERMINISTIC"]
+            assert kw["ORDER"] == turned
+        assert plans["det"].zero_blocks is not None and plans["det"].main.kwargs["STORE_FIRST"]
+        kw = plans["loose"].main.kwargs
+        # The fixed order's staging (DETERMINISTIC), no turns, nothing stored first.
+        assert kw["DETERMINISTIC"] and not kw["TURNS"] and kw["STORE_FIRST"] == 0
+        assert kw["ORDER"] == loosened and not plans["loose"].turns
+        assert plans["loose"].zero_blocks is None
+        acc, sem = plans["loose"].scratch(torch.device("cpu"))
+        assert sem is acc  # no semaphores
+        acc, sem = plans["turns"].scratch(torch.device("cpu"))
+        assert sem.dtype == torch.int32 and tuple(sem.shape) == plans["turns"].sem_shape
 
 
 def test_dq_groups_is_a_fixed_order_knob(on_hopper: None) -> None:

@@ -362,9 +362,10 @@ def _hopper_programs(seed: int) -> list[str]:
     """The Hopper backward's programs (child process, watchdog): for each config - whole
     and split in two, the accumulator zeroed whole or in blocks, dK and dV stored through
     descriptors or from registers, KV heads split into partials and summed, rows instead
-    of fragments, the free order - the second and later backwards of a signature run from
-    the node's program (no Python), on the current stream or another, and give the Python
-    path's bits (the free order's dQ, summed in no fixed order, within rounding of them);
+    of fragments, the free order, the fixed order's staging without its turns - the second
+    and later backwards of a signature run from the node's program (no Python), on the
+    current stream or another, and give the Python path's bits (dQ of a free call, summed
+    in no fixed order, within rounding of them);
     a CUDA graph captures a split program and replays it on new data."""
     import dataclasses
 
@@ -397,6 +398,9 @@ def _hopper_programs(seed: int) -> list[str]:
          dict(hopper_split=2, hopper_dq_frag=1)),
         (Problem(4, 4, 4, 512, 512, 64, "bf16", True, deterministic=True), "bhsd",
          dict(hopper_split=2, hopper_dq_frag=1, hopper_dq_store_first=1)),
+        (Problem(2, 4, 4, 1030, 1030, 128, "bf16", True, deterministic=False), "bhsd",
+         dict(hopper_split=2, hopper_dq_frag=1, hopper_dq_fixed=1, hopper_dq_unordered=1,
+              hopper_dq_store_first=0, hopper_dkdv_tma=1)),
     ]
     for p, layout, knobs in cases:
         name = f"{p} {layout} {knobs}"
