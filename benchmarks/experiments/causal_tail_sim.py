@@ -39,6 +39,14 @@ Session 57's profile confirmed the tail: ncu put the 16k causal main kernel's SM
 heavy tile walking downwards, 1.034-1.039x upwards (and worse as a turn costs more: with
 adds of 0.6 of a tile, 1.034x against 1.063x at 16k). The model's turn costs are
 optimistic: ``hopper_lpt`` 1, 1.011x here, ran 8-21% slower on the GPU (session 55).
+
+Session 67 (``split_turns``): the kernel's order and turns with each key tile's walk longer
+than a threshold split into two programs at its middle (dK and dV would go to two partials
+summed in order, as ``hopper_kv_rep`` does for GQA), launched head by head from the last key
+tile, each tile's first half before its second. A second half starts mid-walk and waits for
+every lighter key tile to pass its first query tile, holding its SM meanwhile: 1.20-1.54x
+the ideal against the kernel's 1.076-1.083x at the standard causal D=128 shapes, worse the
+more tiles are split. Not a route for the deterministic tail.
 """
 
 from __future__ import annotations
@@ -109,6 +117,40 @@ def with_turns(n_n: int, heads: int, sms: int, *, lpt: int, add: float = 0.05,
         heapq.heappush(free, max(t, writer))
         end = max(end, t, writer)
         busy += len(walk)
+    return end / (busy / sms)
+
+
+def split_turns(n_n: int, heads: int, sms: int, *, min_len: int = 0, add: float = 0.05,
+                ring: int = 2) -> float:
+    """:func:`with_turns` (the kernel's order, ``lpt`` 0) with the walk of every key tile
+    that visits more than ``min_len`` query tiles split into two programs at its middle,
+    launched head by head from the last key tile, each tile's first half before its second
+    (each program waits only for programs launched before it)."""
+    n_m = 2 * n_n
+    progs = []
+    for h in range(heads):
+        for j in reversed(range(n_n)):
+            lo = 2 * j
+            cut = lo + (n_m - lo) // 2
+            progs += [(h, j, lo, cut), (h, j, cut, n_m)] if n_m - lo > min_len \
+                else [(h, j, lo, n_m)]
+    done: dict[tuple[int, int, int], float] = {}
+    free = [0.0] * sms
+    end = busy = 0.0
+    for h, j, lo, hi in progs:
+        t = writer = heapq.heappop(free)
+        ends: list[float] = []
+        for i, m in enumerate(range(lo, hi)):
+            if i >= ring:
+                t = max(t, ends[i - ring])
+            t += 1.0
+            ready = done[(h, m, j + 1)] if j + 1 <= m // 2 else 0.0
+            writer = max(t, writer, ready) + add
+            done[(h, m, j)] = writer
+            ends.append(writer)
+        heapq.heappush(free, max(t, writer))
+        end = max(end, t, writer)
+        busy += hi - lo
     return end / (busy / sms)
 
 
@@ -196,6 +238,11 @@ def main() -> None:
           ("heavy tile walking down", "heavy tile walking up"), args.block_n,
           lambda n_n, bh: [paired_turns(n_n, bh, args.sms, ratio=ratio, heavy_down=d)
                            for d in (True, False)])
+    table("Key tiles' walks split in two programs (the kernel's order and turns):",
+          ("all split", "walks > n_n tiles split", "walks > 1.5 n_n tiles split"),
+          args.block_n,
+          lambda n_n, bh: [split_turns(n_n, bh, args.sms, min_len=k)
+                           for k in (0, n_n, 3 * n_n // 2)])
 
 
 def table(title: str, columns: tuple[str, ...], block_n: int, cells) -> None:
