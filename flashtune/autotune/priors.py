@@ -269,7 +269,8 @@ def _hopper_unordered(c: dict[str, Any], p: Problem) -> dict[str, Any]:
     shipped H200 free-call configs at D=128, as a module copy (session 67,
     ``bwd_free_order_ab.py``): causal 1.07x at 16k, 1.02x at 8k, 0.95-0.98x at 1k-2k (the
     accumulator zeroed whole, which the first turn's stores had spared); unmasked
-    1.01-1.03x from 3k keys but 4k (0.97x). A deterministic call keeps the turns."""
+    1.00-1.03x from 3k keys, but 0.97x at 4k. As the knob beside each free entry, five of
+    the twenty took it (1.015-1.075x). A deterministic call keeps the turns."""
     if p.deterministic:
         return {}
     return {"hopper_dq_fixed": 1, "hopper_dq_unordered": 1, "hopper_dq_store_first": 0}
