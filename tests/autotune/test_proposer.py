@@ -546,7 +546,10 @@ def test_the_sm90_backward_prior_gives_the_hopper_kernel_128_query_rows_at_head_
     deterministic call opens its Hopper points with the two-halves point with dQ's tiles
     split by rows (``hopper_dq_rows``, session 63). At head dim 128 the
     Hopper points open with that last point at the ring depth the shipped winners hold:
-    three stages unmasked, one under a causal mask without GQA (none with GQA)."""
+    three stages unmasked, one under a causal mask without GQA (none with GQA). A
+    ``deterministic=False`` call then has the last point in the fixed order's staging
+    without its turns (``hopper_dq_unordered``, session 67): after the ring-depth point at
+    head dim 128, first at head dim 64."""
     from flashtune.autotune.priors import prior_points
 
     monkeypatch.setattr(config, "hopper_support", lambda: "")
@@ -697,7 +700,8 @@ def test_a_winner_is_seeded_again_with_the_knobs_that_landed_since(
     """A key's stale winner (a Hopper backward from before ``hopper_dq_store_first``,
     ``hopper_split`` and ``hopper_dkdv_tma``) is followed in the seeds by itself with each
     knob: store-first =2 beyond 1k keys, =1 up to it, and in the fixed order for a
-    ``deterministic=False`` call; split in two where there are two sequences or KV heads;
+    ``deterministic=False`` call (which also tries the fixed order's staging without its
+    turns, ``hopper_dq_unordered``); split in two where there are two sequences or KV heads;
     dK and dV stored with TMA; then the three together, dQ staged in register order (a
     winner staging it in rows or column groups moves to it). No such point for a winner a
     knob cannot serve (store-first alone: dQ staged in rows; all: a portable kernel), the
